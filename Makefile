@@ -1,0 +1,39 @@
+# Piper: `make run` and `make test` do all set-up on a fresh machine.
+# torch==2.13.0 is installed first: a looser torch requirement with no torch present pulls a
+# multi-GB CUDA build. DS_BUILD_OPS=0 keeps DeepSpeed from compiling its CUDA ops at install time.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIPER  := $(VENV)/bin/piper
+STAMP  := $(VENV)/.piper-installed
+TORCH  ?= torch==2.13.0
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+
+.PHONY: install run test test-unit test-megatron clean
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q $(TORCH)
+	DS_BUILD_OPS=0 $(PY) -m pip install -q -e '.[megatron,deepspeed,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The main job on built-in defaults: predict the 1T Switch recipe on a DGX H100 cluster.
+run: install
+	$(PIPER) predict switch-1t --cluster dgx-h100 --gpus 1024 \
+	  --parallel "tp=1,pp=4,ep=64,etp=1,mbs=1,gbs=1024,recompute=selective"
+
+# Every tier runs on its own so that a tier collecting no test fails the run (pytest exit 5).
+test: install test-unit test-megatron
+
+test-unit: install
+	$(PYTEST) tests/unit
+
+test-megatron: install
+	$(PYTEST) tests/megatron
+
+clean:
+	rm -rf $(VENV) build *.egg-info

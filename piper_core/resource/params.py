@@ -1,0 +1,149 @@
+"""Parameter counts: total, active per token, and per GPU for each pipeline stage.
+
+Counts follow the modules Megatron-Core's GPTModel builds (``gpt_layer_specs``; the TE and local
+specs hold the same parameters): every linear weight, bias, norm and router, with tensor-parallel
+splits as ``ColumnParallelLinear``/``RowParallelLinear`` make them. Expert weights are split over
+``ep`` (whole experts) and ``etp`` (inside an expert); everything else is dense and split over ``tp``
+where Megatron splits it. MLA down-projections are duplicated on every tp rank, as in the TE spec
+(``parallel_mode='duplicated'``, megatron/core/transformer/multi_latent_attention.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from piper_core.specs.compat import stage_layers
+from piper_core.specs.model import ModelSpec
+from piper_core.specs.parallel import ParallelPlan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParamCount:
+    """Parameters held by one GPU, split by how Megatron treats them.
+
+    ``dense``: non-expert parameters (gradients reduced over dp); ``expert``: expert parameters
+    (reduced over expert-dp); ``fp32``: how many of ``dense`` Megatron keeps in fp32 (the router).
+    """
+
+    dense: int = 0
+    expert: int = 0
+    fp32: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+    def __add__(self, other: ParamCount) -> ParamCount:
+        return ParamCount(dense=self.dense + other.dense, expert=self.expert + other.expert,
+                          fp32=self.fp32 + other.fp32)
+
+    def scaled(self, k: int) -> ParamCount:
+        return ParamCount(dense=self.dense * k, expert=self.expert * k, fp32=self.fp32 * k)
+
+
+def _norm(model: ModelSpec, width: int) -> int:
+    """RMSNorm holds a weight; LayerNorm a weight and a bias."""
+    return width * (1 if model.normalization == "RMSNorm" else 2)
+
+
+def _column(model: ModelSpec, d_in: int, d_out: int, tp: int, bias: bool) -> int:
+    """ColumnParallelLinear: weight [d_out/tp, d_in] (+ bias [d_out/tp])."""
+    return d_out // tp * d_in + (d_out // tp if bias else 0)
+
+
+def _row(model: ModelSpec, d_in: int, d_out: int, tp: int, bias: bool) -> int:
+    """RowParallelLinear: weight [d_out, d_in/tp] (+ bias [d_out], not split)."""
+    return d_out * (d_in // tp) + (d_out if bias else 0)
+
+
+def attention_params(model: ModelSpec, tp: int) -> int:
+    """Self-attention of one layer on one tp rank, including the input norm."""
+    h, bias = model.hidden_size, model.add_bias_linear
+    n = _norm(model, h)
+    mla = model.mla
+    if mla is None:
+        d, heads, groups = model.head_dim, model.num_attention_heads, model.query_groups
+        n += _column(model, h, (heads + 2 * groups) * d, tp, bias or model.add_qkv_bias)
+        if model.qk_layernorm:
+            n += 2 * _norm(model, d)
+        return n + _row(model, heads * d, h, tp, bias)
+    heads, q_head = model.num_attention_heads, mla.qk_head_dim + mla.qk_pos_emb_head_dim
+    if mla.q_lora_rank is None:
+        n += _column(model, h, heads * q_head, tp, False)
+    else:
+        n += h * mla.q_lora_rank + _column(model, mla.q_lora_rank, heads * q_head, tp, False)
+        n += _norm(model, mla.q_lora_rank) if model.qk_layernorm else 0
+    n += h * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)
+    n += _norm(model, mla.kv_lora_rank) if model.qk_layernorm else 0
+    n += _column(model, mla.kv_lora_rank, heads * (mla.qk_head_dim + mla.v_head_dim), tp, False)
+    return n + _row(model, heads * mla.v_head_dim, h, tp, bias)
+
+
+def mlp_params(model: ModelSpec, ffn: int, tp: int) -> int:
+    """One MLP (dense, shared expert or a single expert) on one rank of a ``tp``-way split."""
+    h, bias = model.hidden_size, model.add_bias_linear
+    fc1_out = ffn * (2 if model.gated_linear_unit else 1)
+    return _column(model, h, fc1_out, tp, bias) + _row(model, ffn, h, tp, bias)
+
+
+def layer_params(model: ModelSpec, plan: ParallelPlan, layer: int) -> ParamCount:
+    """Layer ``layer`` (0-based) on one GPU: attention, pre-MLP norm, and dense MLP or MoE."""
+    tp, h = plan.tp, model.hidden_size
+    dense = attention_params(model, tp) + _norm(model, h)
+    if not model.moe_layer_pattern[layer]:
+        return ParamCount(dense=dense + mlp_params(model, model.ffn_hidden_size, tp))
+    router = model.num_experts * h + (model.num_experts if model.add_bias_linear else 0)
+    shared = model.moe_shared_expert_intermediate_size
+    if shared:
+        dense += mlp_params(model, shared, tp)
+    local_experts = model.num_experts // plan.ep
+    expert = local_experts * mlp_params(model, model.moe_ffn_hidden_size, plan.etp_size)
+    return ParamCount(dense=dense + router, expert=expert, fp32=router)
+
+
+def embedding_params(model: ModelSpec, tp: int) -> int:
+    """Word embeddings (vocab-parallel) plus learned absolute positions (replicated)."""
+    n = model.padded_vocab(tp) // tp * model.hidden_size
+    if model.position_embedding == "learned_absolute":
+        n += model.seq_length * model.hidden_size
+    return n
+
+
+def stage_params(model: ModelSpec, plan: ParallelPlan) -> tuple[ParamCount, ...]:
+    """Parameters on one GPU of each pipeline rank (all vpp chunks of that rank together).
+
+    The first chunk of rank 0 holds the embedding; the last chunk of the last rank the final norm
+    and the output layer. With tied embeddings the output layer owns a copy of the embedding
+    unless it sits on the same rank (pp == 1) -- GPTModel ``skip_weight_param_allocation``.
+    """
+    out = []
+    for rank, chunks in enumerate(stage_layers(model, plan)):
+        count = ParamCount()
+        for layer in (i for chunk in chunks for i in chunk):
+            count += layer_params(model, plan, layer)
+        extra = 0
+        if rank == 0:
+            extra += embedding_params(model, plan.tp)
+        if rank == plan.pp - 1:
+            extra += _norm(model, model.hidden_size)
+            if not (model.tie_embeddings and plan.pp == 1):
+                extra += model.padded_vocab(plan.tp) // plan.tp * model.hidden_size
+        out.append(count + ParamCount(dense=extra))
+    return tuple(out)
+
+
+def _unsplit(model: ModelSpec, gpus: int = 1) -> ParallelPlan:
+    return ParallelPlan(gpus=gpus, global_batch_size=gpus)
+
+
+def total_params(model: ModelSpec) -> int:
+    """All parameters of the model (no parallelism; tied embeddings counted once)."""
+    return stage_params(model, _unsplit(model))[0].total
+
+
+def active_params(model: ModelSpec) -> int:
+    """Parameters one token touches: all but the unrouted experts (top-k of them are used)."""
+    full = _unsplit(model)
+    one_expert = mlp_params(model, model.moe_ffn_hidden_size, 1) if model.is_moe else 0
+    unused = (model.num_experts - model.moe_router_topk) * one_expert * model.num_moe_layers
+    return total_params(model) - unused if model.is_moe else stage_params(model, full)[0].total

@@ -1,0 +1,33 @@
+"""Small validators shared by the spec dataclasses; each raises :class:`SpecError`."""
+
+from __future__ import annotations
+
+from piper_core.errors import SpecError, divisors
+
+
+def positive(key: str, value: int | float | None, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or isinstance(value, bool) or value <= 0:
+        raise SpecError(key, value, "must be a positive number", f"set {key} to a value > 0")
+
+
+def non_negative(key: str, value: int | float) -> None:
+    if isinstance(value, bool) or value < 0:
+        raise SpecError(key, value, "must be >= 0", f"set {key} to 0 or more")
+
+
+def fraction(key: str, value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise SpecError(key, value, "must be in (0, 1]", f"set {key} to a fraction such as 0.9")
+
+
+def divides(key: str, value: int, other_key: str, other: int) -> None:
+    """``value`` must divide ``other``; suggests the valid choices."""
+    if other % value != 0:
+        choices = divisors(other)
+        shown = choices if len(choices) <= 24 else choices[:12] + ["..."] + choices[-4:]
+        raise SpecError(
+            key, value, f"must divide {other_key} ({other})",
+            f"choose {key} in {{{', '.join(map(str, shown))}}}",
+        )

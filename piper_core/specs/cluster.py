@@ -1,0 +1,91 @@
+"""ClusterSpec: the accelerator, the link levels of the network, and the memory envelope.
+
+Units are in the names (GiB, GB/s, us, TFLOPS); bandwidths are per GPU and per direction.
+Link levels are ordered from the fastest, smallest domain (inside a node) outwards; each
+level says how many GPUs share that domain (``domain_gpus``), the outermost covering the system.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from piper_core.errors import SpecError
+from piper_core.specs._check import fraction, non_negative, positive
+
+Precision = Literal["bf16", "fp16", "fp32"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AcceleratorSpec:
+    """One GPU (or GCD): dense peak throughput per dtype, HBM size and bandwidth."""
+
+    name: str
+    peak_tflops_bf16: float
+    peak_tflops_fp16: float
+    peak_tflops_fp32: float
+    hbm_gib: float
+    hbm_gb_per_s: float
+
+    def __post_init__(self) -> None:
+        for key in ("peak_tflops_bf16", "peak_tflops_fp16", "peak_tflops_fp32", "hbm_gib", "hbm_gb_per_s"):
+            positive(f"accelerator.{key}", getattr(self, key))
+
+    def peak_flops(self, precision: Precision) -> float:
+        """Dense peak in FLOP/s for ``precision`` (MFU is measured against this, never sparse peak)."""
+        return {"bf16": self.peak_tflops_bf16, "fp16": self.peak_tflops_fp16,
+                "fp32": self.peak_tflops_fp32}[precision] * 1e12
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkLevel:
+    """One level of the network. ``domain_gpus`` None means the level spans the whole system."""
+
+    name: str
+    domain_gpus: int | None
+    bandwidth_gb_per_s: float
+    latency_us: float
+
+    def __post_init__(self) -> None:
+        positive(f"links[{self.name}].domain_gpus", self.domain_gpus, allow_none=True)
+        positive(f"links[{self.name}].bandwidth_gb_per_s", self.bandwidth_gb_per_s)
+        non_negative(f"links[{self.name}].latency_us", self.latency_us)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSpec:
+    """A described cluster. ``memory_overhead_gib`` is per-GPU memory no model term accounts for
+    (CUDA/NCCL context, communication buffers, allocator fragmentation); ``usable_memory_fraction``
+    is the share of HBM a job may plan to fill."""
+
+    name: str
+    accelerator: AcceleratorSpec
+    gpus_per_node: int
+    links: tuple[LinkLevel, ...]
+    memory_overhead_gib: float = 0.0
+    usable_memory_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        positive("gpus_per_node", self.gpus_per_node)
+        non_negative("memory_overhead_gib", self.memory_overhead_gib)
+        fraction("usable_memory_fraction", self.usable_memory_fraction)
+        if not 1 <= len(self.links) <= 3:
+            raise SpecError("links", len(self.links), "needs 1 to 3 link levels (intra-node, inter-node, "
+                            "optionally a group level)", "list the levels from fastest to slowest")
+        if len(self.links) > 1 and self.links[0].domain_gpus != self.gpus_per_node:
+            raise SpecError(f"links[{self.links[0].name}].domain_gpus", self.links[0].domain_gpus,
+                            f"the first (intra-node) level must span gpus_per_node ({self.gpus_per_node})",
+                            f"set it to {self.gpus_per_node}")
+        if self.links[-1].domain_gpus is not None:
+            raise SpecError(f"links[{self.links[-1].name}].domain_gpus", self.links[-1].domain_gpus,
+                            "the last level must span the whole system", "set it to null")
+        sizes = [lvl.domain_gpus for lvl in self.links[:-1]]
+        for inner, outer in zip(sizes, sizes[1:]):
+            if outer % inner:
+                raise SpecError("links.domain_gpus", sizes, "each level's domain must be a multiple of the "
+                                "one inside it", "order levels fastest first with growing domains")
+
+    @property
+    def capacity_gib(self) -> float:
+        """Memory a plan may use per GPU: HBM x usable fraction (the fixed overhead is a memory term)."""
+        return self.accelerator.hbm_gib * self.usable_memory_fraction

@@ -1,0 +1,106 @@
+"""ParallelPlan: how one training job is split over ``gpus`` accelerators.
+
+Sizes follow Megatron-Core's names (tp, pp, vpp, ep, etp, cp; dp derived). The expert side uses
+MoE parallel folding: the tp*cp*dp ranks of one pipeline stage are refolded as etp*ep*edp.
+Rules and messages here are the plan-only ones; rules that need the model live in
+:mod:`piper_core.specs.compat`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from piper_core.errors import SpecError
+from piper_core.specs._check import divides, positive
+
+Recompute = Literal["none", "selective", "full"]
+A2AAlgorithm = Literal["flat", "hierarchical", "pipelined"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelPlan:
+    """One parallel configuration. ``etp`` None means "same as tp" (Megatron's default)."""
+
+    gpus: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    ep: int = 1
+    etp: int | None = None
+    cp: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 1
+    global_batch_size: int
+    recompute: Recompute = "none"
+    recompute_method: Literal["uniform", "block"] = "uniform"
+    recompute_num_layers: int | None = None
+    distributed_optimizer: bool = True
+    precision: Literal["bf16", "fp16"] = "bf16"
+    attention_backend: Literal["flash", "unfused"] = "flash"
+    a2a: A2AAlgorithm = "flat"
+    a2a_chunks: int = 1
+    num_layers_in_first_pipeline_stage: int | None = None
+    num_layers_in_last_pipeline_stage: int | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("gpus", "tp", "pp", "ep", "cp", "micro_batch_size", "global_batch_size", "a2a_chunks"):
+            positive(key, getattr(self, key))
+        for key in ("vpp", "etp", "recompute_num_layers", "num_layers_in_first_pipeline_stage",
+                    "num_layers_in_last_pipeline_stage"):
+            positive(key, getattr(self, key), allow_none=True)
+        model_ranks = self.tp * self.pp * self.cp
+        if self.gpus % model_ranks:
+            raise SpecError("gpus", self.gpus, f"must be a multiple of tp*pp*cp = {self.tp}*{self.pp}*{self.cp} "
+                            f"= {model_ranks} (world = tp*pp*cp*dp)",
+                            "change gpus or the model-parallel sizes")
+        stage_ranks = self.tp * self.cp * self.dp
+        expert_ranks = self.etp_size * self.ep
+        if stage_ranks % expert_ranks:
+            raise SpecError("ep", self.ep, f"etp*ep = {self.etp_size}*{self.ep} = {expert_ranks} must divide "
+                            f"tp*cp*dp = {stage_ranks}, the ranks of one pipeline stage (MoE parallel folding: "
+                            "etp*ep*edp = tp*cp*dp)", "lower ep or etp, or add GPUs")
+        divides("micro_batch_size*dp", self.micro_batch_size * self.dp, "global_batch_size", self.global_batch_size)
+        self._check_options()
+
+    def _check_options(self) -> None:
+        if self.vpp is not None and self.pp == 1:
+            raise SpecError("vpp", self.vpp, "interleaving needs pipeline parallelism (pp > 1)",
+                            "remove vpp or raise pp")
+        if self.sequence_parallel and self.tp == 1:
+            raise SpecError("sequence_parallel", True, "has no effect with tp=1 (Megatron turns it off)",
+                            "set sequence_parallel to false, or tp > 1")
+        if self.recompute == "full" and self.recompute_num_layers is None:
+            raise SpecError("recompute_num_layers", None, "full recompute needs a layer count "
+                            "(Megatron --recompute-num-layers)", "set recompute_num_layers, e.g. 1 with uniform")
+        if self.recompute != "full" and self.recompute_num_layers is not None:
+            raise SpecError("recompute_num_layers", self.recompute_num_layers,
+                            f"applies only to recompute=full (got recompute={self.recompute})",
+                            "remove recompute_num_layers or set recompute=full")
+        if self.a2a != "pipelined" and self.a2a_chunks != 1:
+            raise SpecError("a2a_chunks", self.a2a_chunks, f"chunks apply only to a2a=pipelined (got a2a={self.a2a})",
+                            "set a2a=pipelined or a2a_chunks=1")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size of the dense part: gpus / (tp*pp*cp)."""
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def etp_size(self) -> int:
+        """Expert tensor-parallel size (defaults to tp, as in Megatron)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: tp*cp*dp / (etp*ep)."""
+        return self.tp * self.cp * self.dp // (self.etp_size * self.ep)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per step per data-parallel rank: gbs / (mbs*dp)."""
+        return self.global_batch_size // (self.micro_batch_size * self.dp)
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.vpp or 1
