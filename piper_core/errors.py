@@ -32,8 +32,9 @@ class Infeasible(ValueError):
 
 def nearest(word: str, choices: Iterable[str]) -> str | None:
     """The closest valid spelling of ``word`` among ``choices`` (None when nothing is close)."""
-    found = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
-    return found[0] if found else None
+    by_lower = {c.lower(): c for c in choices}
+    found = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.5)
+    return by_lower[found[0]] if found else None
 
 
 def divisors(n: int) -> list[int]:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from piper_core.errors import SpecError, divisors
+import dataclasses
+import functools
+import typing
+
+from piper_core.errors import SpecError, divisors, nearest
 
 
 def positive(key: str, value: int | float | None, *, allow_none: bool = False) -> None:
@@ -31,3 +35,20 @@ def divides(key: str, value: int, other_key: str, other: int) -> None:
             key, value, f"must divide {other_key} ({other})",
             f"choose {key} in {{{', '.join(map(str, shown))}}}",
         )
+
+
+@functools.cache
+def _literal_fields(cls: type) -> tuple[tuple[str, tuple[object, ...]], ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, typing.get_args(hints[f.name])) for f in dataclasses.fields(cls)
+                 if typing.get_origin(hints[f.name]) is typing.Literal)
+
+
+def literals(spec: object) -> None:
+    """Every ``Literal[...]`` field of dataclass ``spec`` holds one of its allowed values."""
+    for name, allowed in _literal_fields(type(spec)):
+        value = getattr(spec, name)
+        if value not in allowed:
+            guess = nearest(str(value), [str(a) for a in allowed])
+            hint = f"did you mean '{guess}'? " if guess else ""
+            raise SpecError(name, value, f"must be one of {list(allowed)}", f"{hint}use one of {list(allowed)}")

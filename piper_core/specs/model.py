@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from piper_core.errors import SpecError
-from piper_core.specs._check import non_negative, positive
+from piper_core.specs._check import literals, non_negative, positive
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,6 +74,7 @@ class ModelSpec:
     mla: MLASpec | None = None
 
     def __post_init__(self) -> None:
+        literals(self)
         for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                     "vocab_size", "seq_length", "make_vocab_size_divisible_by", "moe_layer_freq",
                     "moe_router_topk"):

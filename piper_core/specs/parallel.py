@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from piper_core.errors import SpecError
-from piper_core.specs._check import divides, positive
+from piper_core.specs._check import literals, divides, positive
 
 Recompute = Literal["none", "selective", "full"]
 A2AAlgorithm = Literal["flat", "hierarchical", "pipelined"]
@@ -44,6 +44,7 @@ class ParallelPlan:
     num_layers_in_last_pipeline_stage: int | None = None
 
     def __post_init__(self) -> None:
+        literals(self)
         for key in ("gpus", "tp", "pp", "ep", "cp", "micro_batch_size", "global_batch_size", "a2a_chunks"):
             positive(key, getattr(self, key))
         for key in ("vpp", "etp", "recompute_num_layers", "num_layers_in_first_pipeline_stage",

@@ -142,7 +142,7 @@ def load_yaml(cls: type[T], path: str | Path) -> T:
 
 def dump_yaml(spec: Any, path: str | Path | None = None) -> str:
     """Write ``spec`` as YAML (field order kept); returns the text. Loads back to an equal spec."""
-    text = yaml.safe_dump(to_dict(spec), sort_keys=False, default_flow_style=None, width=100)
+    text = yaml.safe_dump(to_dict(spec), sort_keys=False, default_flow_style=False, width=100)
     if path is not None:
         Path(path).write_text(text)
     return text

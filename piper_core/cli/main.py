@@ -1,0 +1,32 @@
+"""``piper`` console script: sub-commands share one argparse tree; bad input exits 2 with the
+SpecError message (key, value, rule, fix) and no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from piper_core.errors import SpecError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from piper_core.cli import predict
+
+    parser = argparse.ArgumentParser(prog="piper", description="Resource model and planner for MoE training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    predict.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecError as exc:
+        print(f"piper {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Parse ``--parallel "tp=2,pp=4,ep=8,..."`` into a ParallelPlan (CLI convenience only; specs and
+files use YAML keys)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from piper_core.errors import SpecError, nearest
+from piper_core.specs.parallel import ParallelPlan
+
+# short CLI key -> ParallelPlan field
+KEYS: dict[str, str] = {
+    "tp": "tp", "pp": "pp", "vpp": "vpp", "ep": "ep", "etp": "etp", "cp": "cp",
+    "sp": "sequence_parallel", "mbs": "micro_batch_size", "gbs": "global_batch_size",
+    "recompute": "recompute", "recompute_method": "recompute_method",
+    "recompute_layers": "recompute_num_layers", "dist_opt": "distributed_optimizer",
+    "precision": "precision", "attention": "attention_backend", "a2a": "a2a", "chunks": "a2a_chunks",
+    "first_stage_layers": "num_layers_in_first_pipeline_stage",
+    "last_stage_layers": "num_layers_in_last_pipeline_stage",
+}
+_INTS = {"tp", "pp", "vpp", "ep", "etp", "cp", "mbs", "gbs", "recompute_layers", "chunks",
+         "first_stage_layers", "last_stage_layers"}
+_BOOLS = {"sp", "dist_opt"}
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def _value(key: str, raw: str) -> Any:
+    if key in _INTS:
+        try:
+            return int(raw)
+        except ValueError:
+            raise SpecError(f"--parallel {key}", raw, "must be an integer", f"write {key}=<n>") from None
+    if key in _BOOLS:
+        if raw.lower() in _TRUE | _FALSE:
+            return raw.lower() in _TRUE
+        raise SpecError(f"--parallel {key}", raw, "must be a boolean", f"write {key}=1 or {key}=0")
+    return raw
+
+
+def parse_parallel(text: str, gpus: int, **defaults: Any) -> ParallelPlan:
+    """``"tp=2,pp=4,mbs=1,gbs=256"`` -> ParallelPlan. ``defaults`` (field names) fill unset keys.
+
+    With MoE and tp > 1 Megatron requires sequence parallelism; ``sp`` must then be given explicitly
+    (nothing is switched on silently).
+    """
+    fields: dict[str, Any] = dict(defaults)
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise SpecError("--parallel", item, "each item must be key=value", "write e.g. tp=2")
+        if key not in KEYS:
+            guess = nearest(key, KEYS)
+            raise SpecError(f"--parallel {key}", raw, "is not a parallel key",
+                            f"did you mean '{guess}'?" if guess else f"use one of {sorted(KEYS)}")
+        fields[KEYS[key]] = _value(key, raw.strip())
+    if "global_batch_size" not in fields:
+        raise SpecError("--parallel gbs", None, "the global batch size is required",
+                        "add gbs=<sequences per step>, e.g. gbs=1024")
+    return ParallelPlan(gpus=gpus, **fields)

@@ -1,0 +1,71 @@
+"""``piper predict MODEL --cluster C --gpus N --parallel "..." [--json]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from piper_core.cli.parse import parse_parallel
+from piper_core.presets import load_cluster, load_model
+from piper_core.resource.memory import GIB
+from piper_core.resource.predict import Prediction, predict, to_json
+
+HELP_PARALLEL = ("comma-separated key=value: tp, pp, vpp, ep, etp, cp, sp (0/1), mbs, gbs, "
+                 "recompute (none|selective|full), recompute_method (uniform|block), recompute_layers, "
+                 "dist_opt (0/1), precision (bf16|fp16), attention (flash|unfused), a2a "
+                 "(flat|hierarchical|pipelined), chunks, first_stage_layers, last_stage_layers")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("predict", help="parameters, FLOPs and memory per GPU of one plan",
+                       description="Predict parameters, FLOPs and per-stage memory of one parallel plan.")
+    p.add_argument("model", help="model preset name or ModelSpec YAML path")
+    p.add_argument("--cluster", required=True, help="cluster preset name or ClusterSpec YAML path")
+    p.add_argument("--gpus", type=int, required=True, help="world size (number of GPUs)")
+    p.add_argument("--parallel", default="", help=HELP_PARALLEL)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model, cluster = load_model(args.model), load_cluster(args.cluster)
+    plan = parse_parallel(args.parallel, args.gpus)
+    result = predict(model, cluster, plan)
+    print(json.dumps(to_json(result), indent=2) if args.json else render(result))
+    return 0
+
+
+def _si(n: float, unit: str = "") -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3f} {prefix}{unit}"
+    return f"{n:.0f} {unit}".rstrip()
+
+
+def render(p: Prediction) -> str:
+    """Human-readable report: plan, parameters, FLOPs, memory per stage, verdict."""
+    plan, c = p.plan, p.cluster
+    lines = [
+        f"piper predict: {p.model.name} on {c.name} ({plan.gpus} x {c.accelerator.name})",
+        f"plan: tp={plan.tp} pp={plan.pp} vpp={plan.vpp or 1} cp={plan.cp} dp={plan.dp} | ep={plan.ep} "
+        f"etp={plan.etp_size} edp={plan.edp} | mbs={plan.micro_batch_size} gbs={plan.global_batch_size} "
+        f"({plan.num_microbatches} micro-batches) | sp={int(plan.sequence_parallel)} recompute={plan.recompute} "
+        f"dist_opt={int(plan.distributed_optimizer)} {plan.precision} attention={plan.attention_backend} a2a={plan.a2a}",
+        f"parameters: total {_si(p.params_total)}, active per token {_si(p.params_active)}",
+        f"FLOPs/step: model {p.flops.model:.3e} (Megatron definition), hardware {p.flops.hardware:.3e} "
+        f"({p.flops.tokens:,} tokens)",
+        "",
+        "memory per GPU (GiB)",
+    ]
+    cols = ("stage", "layers", "params", "weights", "grads", "optim", "activ", "buffers", "overhead", "total")
+    lines.append("  ".join(f"{h:>8}" for h in cols))
+    for s in p.stages:
+        cells = [str(s.stage), str(s.layers), _si(s.params.total)] + [
+            f"{v / GIB:.2f}" for v in (s.weights, s.gradients, s.optimizer, s.activations, s.buffers, s.overhead, s.total)]
+        lines.append("  ".join(f"{x:>8}" for x in cells))
+    peak = p.peak_stage
+    verdict = (f"fits with {p.headroom_bytes / GIB:.2f} GiB to spare" if p.feasible
+               else f"DOES NOT FIT: {-p.headroom_bytes / GIB:.2f} GiB over")
+    lines += ["", f"peak {peak.total / GIB:.2f} GiB on stage {peak.stage} of {p.capacity_bytes / GIB:.2f} GiB usable "
+              f"({c.accelerator.hbm_gib} GiB HBM x {c.usable_memory_fraction}): {verdict}"]
+    return "\n".join(lines)

@@ -1,0 +1,150 @@
+"""Memory per GPU for each pipeline stage: weights, gradients, optimizer state, activations,
+communication buffers and the fixed overhead, against the cluster's capacity.
+
+Sources:
+* Bytes per parameter: Megatron-Core distributed-optimizer guide (docs ``dist_optimizer.md``):
+  bf16 params with fp32 gradients 2 + 4 + 12/d; fp16 params and gradients 2 + 2 + 16/d (fp32 main
+  params and gradients, Adam m and v). Megatron sets fp32 gradient accumulation for bf16
+  (``validate_args``). The router weight is fp32 (TopKRouter): 4 + 4 + 8/d.
+* Sharding: dense state over dp*cp, expert state over expert-dp (``DistributedOptimizer`` with the
+  expert-data-parallel group).
+* In-flight micro-batches: 1F1B keeps ``pp - rank`` micro-batches on rank ``rank``; the interleaved
+  schedule keeps ``2(pp - rank - 1) + (vpp - 1) pp + 1`` model-chunk forwards
+  (``get_num_warmup_microbatches`` in pipeline_parallel/schedules.py), both capped by the
+  micro-batches of the step.
+* Activations per layer: :mod:`piper_core.resource.activations`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from piper_core.resource import activations
+from piper_core.resource.flops import recomputed_layers
+from piper_core.resource.params import ParamCount, stage_params
+from piper_core.specs.cluster import ClusterSpec
+from piper_core.specs.compat import stage_layers
+from piper_core.specs.model import ModelSpec
+from piper_core.specs.parallel import ParallelPlan
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageMemory:
+    """Bytes on one GPU of pipeline rank ``stage`` (the largest of its tp/ep ranks)."""
+
+    stage: int
+    layers: int
+    params: ParamCount
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    buffers: int
+    overhead: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers + self.overhead
+
+
+def _state_bytes(params: ParamCount, plan: ParallelPlan) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) bytes for ``params`` held on one GPU."""
+    half = params.total - params.fp32
+    grad_bytes, opt_bytes = (4, 12) if plan.precision == "bf16" else (2, 16)
+    weights = 2 * half + 4 * params.fp32
+    grads = grad_bytes * half + 4 * params.fp32
+    dense_half, expert = params.dense - params.fp32, params.expert
+    if plan.distributed_optimizer:
+        dense_shards, expert_shards = plan.dp * plan.cp, plan.edp
+    else:
+        dense_shards = expert_shards = 1
+    optimizer = (opt_bytes * dense_half + 8 * params.fp32) / dense_shards + opt_bytes * expert / expert_shards
+    return weights, grads, math.ceil(optimizer)
+
+
+def in_flight_chunks(plan: ParallelPlan, rank: int) -> int:
+    """Model-chunk forwards whose activations rank ``rank`` holds at its peak."""
+    m = plan.num_microbatches
+    if plan.vpp is None:
+        return min(plan.pp - rank, m)
+    warmup = 2 * (plan.pp - rank - 1) + (plan.vpp - 1) * plan.pp
+    return min(warmup + 1, m * plan.vpp)
+
+
+def layer_input_bytes(model: ModelSpec, plan: ParallelPlan) -> int:
+    """The [s/cp, b, h] layer input (split over tp with sequence parallelism), kept by full recompute."""
+    tokens = model.seq_length // plan.cp * plan.micro_batch_size
+    return tokens * model.hidden_size * 2 // (plan.tp if plan.sequence_parallel else 1)
+
+
+def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: tuple[tuple[int, ...], ...]) -> int:
+    """Activation bytes rank ``rank`` keeps at its peak (all in-flight micro-batches)."""
+    plain = dataclasses.replace(plan, recompute="none", recompute_num_layers=None) if plan.recompute == "full" else plan
+    recomputed = recomputed_layers(model, plan)
+    n = plan.recompute_num_layers or 1
+    per_mb = 0       # bytes one micro-batch keeps on this rank, summed over its chunks
+    transient = 0    # full recompute: one checkpointed group rebuilt in backward
+    for chunk in chunks:
+        kept = [i for i in chunk if i not in recomputed]
+        redo = [i for i in chunk if i in recomputed]
+        per_mb += sum(activations.layer_activation_bytes(model, plain, moe=model.moe_layer_pattern[i]) for i in kept)
+        if redo:
+            groups = math.ceil(len(redo) / n) if plan.recompute_method == "uniform" else 1
+            per_mb += groups * layer_input_bytes(model, plan)
+            group = redo[:n] if plan.recompute_method == "uniform" else redo
+            transient = max(transient, sum(activations.layer_activation_bytes(
+                model, plain, moe=model.moe_layer_pattern[i]) for i in group))
+    held = in_flight_chunks(plan, rank) * per_mb / len(chunks)
+    if rank == 0:
+        held += in_flight_chunks(plan, rank) / len(chunks) * activations.embedding_activation_bytes(model, plan)
+    if rank == plan.pp - 1:
+        held += activations.output_activation_bytes(model, plan)
+    return math.ceil(held + transient)
+
+
+def routed_tokens(model: ModelSpec, plan: ParallelPlan) -> int:
+    """Token copies the busiest GPU receives for its local experts in one MoE layer, one micro-batch.
+
+    Each rank routes its own ``s*b/cp`` tokens (``/tp`` under sequence parallelism, which Megatron
+    requires for MoE with tp > 1) top-k times; the all-to-all conserves the total, so the mean rank
+    receives as many as it sends, and expert-TP all-gathers them ``etp`` times. The capacity factor
+    caps the busiest expert (Megatron ``get_capacity``); dropless, ``moe_expert_load_skew`` scales it.
+    """
+    tokens = model.seq_length // plan.cp * plan.micro_batch_size // (plan.tp if plan.sequence_parallel else 1)
+    factor = model.moe_capacity_factor if model.moe_capacity_factor is not None else model.moe_expert_load_skew
+    return math.ceil(tokens * model.moe_router_topk * factor) * plan.etp_size
+
+
+def _buffers(model: ModelSpec, plan: ParallelPlan) -> int:
+    """Transient buffers outside the saved activations, the largest one live at a time.
+
+    The all-to-all receive buffer of one MoE layer (permuted tokens x hidden, before the sort by
+    expert) and, with sequence parallelism, the all-gathered [s, b, h] input of a column-parallel
+    linear (SP saves the shard and re-gathers in backward).
+    """
+    tokens = model.seq_length // plan.cp * plan.micro_batch_size
+    gathered = tokens * model.hidden_size * 2 if plan.sequence_parallel else 0
+    a2a = 0
+    if model.is_moe:
+        a2a = routed_tokens(model, plan) * model.hidden_size * 2
+    return max(gathered, a2a)
+
+
+def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> tuple[StageMemory, ...]:
+    """Per pipeline rank: every memory term in bytes for one GPU."""
+    out = []
+    params = stage_params(model, plan)
+    buffers = _buffers(model, plan)
+    for rank, chunks in enumerate(stage_layers(model, plan)):
+        weights, grads, optimizer = _state_bytes(params[rank], plan)
+        out.append(StageMemory(
+            stage=rank, layers=sum(len(c) for c in chunks), params=params[rank], weights=weights,
+            gradients=grads, optimizer=optimizer,
+            activations=_stage_activations(model, plan, rank, chunks), buffers=buffers,
+            overhead=round(cluster.memory_overhead_gib * GIB),
+        ))
+    return tuple(out)

@@ -1,0 +1,80 @@
+"""One prediction for (model, cluster, plan): parameters, FLOPs and memory, as a frozen record
+and as the JSON object ``piper predict --json`` prints (later issues add keys; none are removed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from piper_core.resource.flops import StepFlops, step_flops
+from piper_core.resource.memory import GIB, StageMemory, stage_memory
+from piper_core.resource.params import active_params, total_params
+from piper_core.specs.cluster import ClusterSpec
+from piper_core.specs.compat import check_plan
+from piper_core.specs.model import ModelSpec
+from piper_core.specs.parallel import ParallelPlan
+from piper_core.specs.yamlio import to_dict
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prediction:
+    model: ModelSpec
+    cluster: ClusterSpec
+    plan: ParallelPlan
+    params_total: int
+    params_active: int
+    flops: StepFlops
+    stages: tuple[StageMemory, ...]
+
+    @property
+    def peak_stage(self) -> StageMemory:
+        return max(self.stages, key=lambda s: s.total)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return round(self.cluster.capacity_gib * GIB)
+
+    @property
+    def feasible(self) -> bool:
+        return self.peak_stage.total <= self.capacity_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        """Capacity minus the peak stage (negative: short by that much)."""
+        return self.capacity_bytes - self.peak_stage.total
+
+
+def predict(model: ModelSpec, cluster: ClusterSpec, plan: ParallelPlan) -> Prediction:
+    """Validate ``plan`` against ``model`` (SpecError on a broken rule) and evaluate it."""
+    check_plan(model, plan)
+    return Prediction(model=model, cluster=cluster, plan=plan, params_total=total_params(model),
+                      params_active=active_params(model), flops=step_flops(model, plan),
+                      stages=stage_memory(model, plan, cluster))
+
+
+def _gib(n: float) -> float:
+    return round(n / GIB, 4)
+
+
+def stage_json(s: StageMemory) -> dict[str, Any]:
+    return {"stage": s.stage, "layers": s.layers,
+            "params": {"dense": s.params.dense, "expert": s.params.expert, "total": s.params.total},
+            "weights": _gib(s.weights), "gradients": _gib(s.gradients), "optimizer": _gib(s.optimizer),
+            "activations": _gib(s.activations), "buffers": _gib(s.buffers), "overhead": _gib(s.overhead),
+            "total": _gib(s.total)}
+
+
+def to_json(p: Prediction) -> dict[str, Any]:
+    """The ``--json`` object. Memory in GiB (2**30 bytes), FLOPs per step over all GPUs."""
+    plan = to_dict(p.plan) | {"dp": p.plan.dp, "edp": p.plan.edp, "etp": p.plan.etp_size,
+                              "num_microbatches": p.plan.num_microbatches}
+    return {
+        "model": p.model.name, "cluster": p.cluster.name, "gpus": p.plan.gpus, "plan": plan,
+        "params": {"total": p.params_total, "active": p.params_active,
+                   "per_gpu": [s.params.total for s in p.stages]},
+        "flops_per_step": {"model": p.flops.model, "hardware": p.flops.hardware, "tokens": p.flops.tokens},
+        "memory_gib": {"peak": _gib(p.peak_stage.total), "peak_stage": p.peak_stage.stage,
+                       "capacity": _gib(p.capacity_bytes), "headroom": _gib(p.headroom_bytes),
+                       "stages": [stage_json(s) for s in p.stages]},
+        "feasible": p.feasible,
+    }
