@@ -63,6 +63,12 @@ def render(p: Prediction) -> str:
         cells = [str(s.stage), str(s.layers), _si(s.params.total)] + [
             f"{v / GIB:.2f}" for v in (s.weights, s.gradients, s.optimizer, s.activations, s.buffers, s.overhead, s.total)]
         lines.append("  ".join(f"{x:>8}" for x in cells))
+    t, r = p.time, p.rate
+    parts = ", ".join(f"{k.replace('_', ' ')} {v:.3g} s" for k, v in t.breakdown().items())
+    lines += ["", f"step time {t.step:.3g} s ({parts})",
+              f"MFU {100 * r.mfu:.1f}% of dense {plan.precision} peak | {r.tflops_per_gpu:.1f} TFLOPS/GPU | "
+              f"{r.tokens_per_s:,.0f} tokens/s",
+              f"bottleneck: {r.bottleneck}"]
     peak = p.peak_stage
     verdict = (f"fits with {p.headroom_bytes / GIB:.2f} GiB to spare" if p.feasible
                else f"DOES NOT FIT: {-p.headroom_bytes / GIB:.2f} GiB over")

@@ -14,6 +14,7 @@ from piper_core.specs.compat import check_plan
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.specs.yamlio import to_dict
+from piper_core.timing.step import StepTime, Throughput, step_time, throughput
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -25,6 +26,8 @@ class Prediction:
     params_active: int
     flops: StepFlops
     stages: tuple[StageMemory, ...]
+    time: StepTime
+    rate: Throughput
 
     @property
     def peak_stage(self) -> StageMemory:
@@ -47,9 +50,10 @@ class Prediction:
 def predict(model: ModelSpec, cluster: ClusterSpec, plan: ParallelPlan) -> Prediction:
     """Validate ``plan`` against ``model`` (SpecError on a broken rule) and evaluate it."""
     check_plan(model, plan)
+    t = step_time(model, plan, cluster)
     return Prediction(model=model, cluster=cluster, plan=plan, params_total=total_params(model),
                       params_active=active_params(model), flops=step_flops(model, plan),
-                      stages=stage_memory(model, plan, cluster))
+                      stages=stage_memory(model, plan, cluster), time=t, rate=throughput(model, plan, cluster, t))
 
 
 def _gib(n: float) -> float:
@@ -77,4 +81,10 @@ def to_json(p: Prediction) -> dict[str, Any]:
                        "capacity": _gib(p.capacity_bytes), "headroom": _gib(p.headroom_bytes),
                        "stages": [stage_json(s) for s in p.stages]},
         "feasible": p.feasible,
+        "time_s": {"step": p.time.step, "breakdown": p.time.breakdown(),
+                   "stages": [{"stage": s.stage, "compute": s.compute, "exposed_a2a": s.a2a, "other_comm": s.comm,
+                               "p2p": s.p2p, "total": s.total} for s in p.time.stages],
+                   "slowest_stage": p.time.slowest_stage, "a2a_one_way": p.time.a2a_one_way},
+        "mfu": p.rate.mfu, "tflops_per_gpu": p.rate.tflops_per_gpu, "tokens_per_s": p.rate.tokens_per_s,
+        "bottleneck": p.rate.bottleneck,
     }

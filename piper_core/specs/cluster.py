@@ -18,7 +18,13 @@ Precision = Literal["bf16", "fp16", "fp32"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AcceleratorSpec:
-    """One GPU (or GCD): dense peak throughput per dtype, HBM size and bandwidth."""
+    """One GPU (or GCD): dense peak throughput per dtype, HBM size and bandwidth.
+
+    The efficiency terms drive the roofline time model: a GEMM runs at
+    ``max(flops / (peak * gemm_efficiency), bytes / (hbm * hbm_efficiency)) + kernel_latency_us``,
+    so skinny expert GEMMs fall to the memory-bound side. Presets carry planning defaults;
+    ``piper calibrate`` fits them on the real machine.
+    """
 
     name: str
     peak_tflops_bf16: float
@@ -26,10 +32,16 @@ class AcceleratorSpec:
     peak_tflops_fp32: float
     hbm_gib: float
     hbm_gb_per_s: float
+    gemm_efficiency: float = 0.7
+    hbm_efficiency: float = 0.8
+    kernel_latency_us: float = 4.0
 
     def __post_init__(self) -> None:
         for key in ("peak_tflops_bf16", "peak_tflops_fp16", "peak_tflops_fp32", "hbm_gib", "hbm_gb_per_s"):
             positive(f"accelerator.{key}", getattr(self, key))
+        fraction("accelerator.gemm_efficiency", self.gemm_efficiency)
+        fraction("accelerator.hbm_efficiency", self.hbm_efficiency)
+        non_negative("accelerator.kernel_latency_us", self.kernel_latency_us)
 
     def peak_flops(self, precision: Precision) -> float:
         """Dense peak in FLOP/s for ``precision`` (MFU is measured against this, never sparse peak)."""

@@ -1,0 +1,131 @@
+"""Roofline compute time of one layer's forward pass on one GPU, for one micro-batch.
+
+A GEMM ``[m, k] x [k, n]`` (``batch`` of them) takes
+``max(2 m n k / (peak x gemm_efficiency), bytes / (hbm x hbm_efficiency)) + kernel latency``
+with ``bytes = 2 (m k + k n + m n)`` (Williams et al., "Roofline", CACM 2009). Skinny expert GEMMs
+(few tokens per expert) fall on the memory side and pay the launch latency per expert -- the
+"small, imbalanced expert GEMM" bottleneck of the Piper paper. Element-wise work (norms,
+activations, softmax, permutation) is priced by the bytes it moves through HBM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from piper_core.specs.cluster import AcceleratorSpec
+from piper_core.specs.model import ModelSpec
+
+BYTES = 2  # bf16 / fp16 activations and weights
+
+
+def gemm_time(acc: AcceleratorSpec, precision: str, m: float, n: float, k: float, *, batch: float = 1) -> float:
+    """Seconds for ``batch`` GEMMs of shape m x k by k x n (one kernel launch)."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k * batch
+    moved = BYTES * (m * k + k * n + m * n) * batch
+    compute = flops / (acc.peak_flops(precision) * acc.gemm_efficiency)
+    memory = moved / (acc.hbm_gb_per_s * 1e9 * acc.hbm_efficiency)
+    return max(compute, memory) + acc.kernel_latency_us * 1e-6
+
+
+def stream_time(acc: AcceleratorSpec, nbytes: float) -> float:
+    """Seconds to move ``nbytes`` through HBM (read + write counted by the caller)."""
+    return nbytes / (acc.hbm_gb_per_s * 1e9 * acc.hbm_efficiency)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerShape:
+    """The parts of a plan that change one layer's cost (cache key; pp, dp, batch do not)."""
+
+    tp: int
+    cp: int
+    ep: int
+    etp: int
+    sp: bool
+    mbs: int
+    recompute: str
+    attention_backend: str
+    precision: str
+    a2a: str
+    chunks: int
+
+    def tokens_for(self, model: ModelSpec) -> int:
+        """Tokens a tp rank's GEMMs see: the micro-batch's [s/cp, b] (gathered under SP)."""
+        return model.seq_length // self.cp * self.mbs
+
+
+def attention_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec) -> tuple[float, float]:
+    """(projection + element-wise time, core-attention time) of one attention block, forward."""
+    t, h, tp, prec = shape.tokens_for(model), model.hidden_size, shape.tp, shape.precision
+    a = model.num_attention_heads // tp
+    mla = model.mla
+    if mla is None:
+        d, g = model.head_dim, model.query_groups
+        proj = gemm_time(acc, prec, t, (model.num_attention_heads + 2 * g) * d / tp, h)
+        proj += gemm_time(acc, prec, t, h, model.num_attention_heads * d / tp)
+        qk_dim, v_dim = d, d
+    else:
+        q_head = mla.qk_head_dim + mla.qk_pos_emb_head_dim
+        if mla.q_lora_rank is None:
+            proj = gemm_time(acc, prec, t, model.num_attention_heads * q_head / tp, h)
+        else:
+            proj = gemm_time(acc, prec, t, mla.q_lora_rank, h)
+            proj += gemm_time(acc, prec, t, model.num_attention_heads * q_head / tp, mla.q_lora_rank)
+        proj += gemm_time(acc, prec, t, mla.kv_lora_rank + mla.qk_pos_emb_head_dim, h)
+        proj += gemm_time(acc, prec, t, model.num_attention_heads * (mla.qk_head_dim + mla.v_head_dim) / tp,
+                          mla.kv_lora_rank)
+        proj += gemm_time(acc, prec, t, h, model.num_attention_heads * mla.v_head_dim / tp)
+        qk_dim, v_dim = q_head, mla.v_head_dim
+    # causal: on average each query sees half the keys (s/2), with load-balanced cp as well
+    keys = model.seq_length / 2
+    core = gemm_time(acc, prec, t, keys, qk_dim, batch=a) + gemm_time(acc, prec, t, v_dim, keys, batch=a)
+    if shape.attention_backend == "unfused":  # scores written, softmaxed, read back by AV
+        core += stream_time(acc, 3 * BYTES * a * t * model.seq_length)
+    # input norm (read + write), rope on q and k, residual add (read 2, write 1)
+    elementwise = stream_time(acc, BYTES * t * (2 * h / (tp if shape.sp else 1) + 3 * h))
+    return proj + elementwise, core
+
+
+def mlp_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec, tokens: float, ffn: int, split: int,
+                *, count: int = 1) -> float:
+    """``count`` MLPs of width ``ffn`` split ``split`` ways, each over ``tokens`` tokens."""
+    if ffn == 0 or tokens <= 0:
+        return 0.0
+    width = ffn * (2 if model.gated_linear_unit else 1) / split
+    one = gemm_time(acc, shape.precision, tokens, width, model.hidden_size)
+    one += gemm_time(acc, shape.precision, tokens, model.hidden_size, ffn / split)
+    one += stream_time(acc, BYTES * tokens * (width + ffn / split))  # activation function
+    return count * one
+
+
+def expert_tokens(model: ModelSpec, shape: LayerShape) -> tuple[float, float]:
+    """(tokens per local expert on the busiest GPU, routed tokens that GPU receives).
+
+    Each rank routes its ``s b / cp`` tokens (split over tp by SP) top-k times; the busiest expert
+    gets ``capacity factor`` (or ``moe_expert_load_skew``) times the mean; expert-TP gathers
+    ``etp`` ranks' tokens.
+    """
+    sent = shape.tokens_for(model) / (shape.tp if shape.sp else 1) * model.moe_router_topk
+    factor = model.moe_capacity_factor if model.moe_capacity_factor is not None else model.moe_expert_load_skew
+    received = sent * factor * shape.etp
+    return received / (model.num_experts / shape.ep), received
+
+
+def moe_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec, *, chunks: int = 1) -> tuple[float, float]:
+    """(router + permutation + shared-expert time, routed-expert time for ONE of ``chunks`` chunks)."""
+    t_local = shape.tokens_for(model) / (shape.tp if shape.sp else 1)
+    per_expert, received = expert_tokens(model, shape)
+    local = model.num_experts // shape.ep
+    router = gemm_time(acc, "fp32", t_local, model.num_experts, model.hidden_size)
+    permute = stream_time(acc, 2 * 2 * BYTES * received * model.hidden_size)  # permute + unpermute, r + w
+    shared = mlp_forward(model, shape, acc, shape.tokens_for(model), model.moe_shared_expert_intermediate_size, shape.tp)
+    experts = mlp_forward(model, shape, acc, per_expert / chunks, model.moe_ffn_hidden_size, shape.etp, count=local)
+    norm = stream_time(acc, BYTES * t_local * 5 * model.hidden_size)  # pre-MLP norm + residual
+    return router + permute + shared + norm, experts
+
+
+def dense_mlp_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec) -> float:
+    t = shape.tokens_for(model)
+    norm = stream_time(acc, BYTES * t * 5 * model.hidden_size)
+    return norm + mlp_forward(model, shape, acc, t, model.ffn_hidden_size, shape.tp)

@@ -1,0 +1,138 @@
+"""Time of one transformer layer on one GPU for one micro-batch: compute, exposed all-to-all and
+other exposed communication, forward and backward.
+
+Backward runs each GEMM twice (data and weight gradients) and the element-wise work again;
+recompute adds the repeated forward (core attention for selective, the whole layer -- its
+communication included -- for full). Tensor-parallel collectives are counted as exposed (Megatron
+overlaps them only with TE user buffers, ``--tp-comm-overlap``, which the model does not assume).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from piper_core.specs.cluster import ClusterSpec
+from piper_core.specs.model import ModelSpec
+from piper_core.specs.parallel import ParallelPlan
+from piper_core.timing import comm
+from piper_core.timing.compute import BYTES, LayerShape, attention_forward, dense_mlp_forward, expert_tokens, moe_forward
+from piper_core.timing.topology import Group
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerCost:
+    """Seconds, one micro-batch, one GPU. ``a2a_*`` is the exposed all-to-all time;
+    ``comm_*`` other exposed communication (tp/sp, etp, cp)."""
+
+    compute_fwd: float
+    compute_bwd: float
+    a2a_fwd: float = 0.0
+    a2a_bwd: float = 0.0
+    comm_fwd: float = 0.0
+    comm_bwd: float = 0.0
+    a2a_raw: float = 0.0  # one direction (dispatch or combine), unpipelined, for reports
+
+    @property
+    def fwd(self) -> float:
+        return self.compute_fwd + self.a2a_fwd + self.comm_fwd
+
+    @property
+    def bwd(self) -> float:
+        return self.compute_bwd + self.a2a_bwd + self.comm_bwd
+
+
+def shape_of(plan: ParallelPlan) -> LayerShape:
+    return LayerShape(tp=plan.tp, cp=plan.cp, ep=plan.ep, etp=plan.etp_size, sp=plan.sequence_parallel,
+                      mbs=plan.micro_batch_size, recompute=plan.recompute, attention_backend=plan.attention_backend,
+                      precision=plan.precision, a2a=plan.a2a, chunks=plan.a2a_chunks)
+
+
+def _tp_comm(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, blocks: int) -> tuple[float, float]:
+    """(fwd, bwd) exposed tp time for ``blocks`` column->row GEMM pairs.
+
+    SP: all-gather before the column GEMM and reduce-scatter after the row GEMM; backward re-gathers
+    the input for the weight gradient and reduce-scatters / gathers the gradients (3 collectives).
+    No SP: one all-reduce per pair in forward and one in backward (Megatron f/g operators).
+    """
+    if shape.tp == 1:
+        return 0.0, 0.0
+    group = Group(name="tp", size=shape.tp, stride=1)
+    nbytes = shape.tokens_for(model) * model.hidden_size * BYTES
+    one = comm.ring(group, nbytes, cluster)
+    if shape.sp:
+        return blocks * 2 * one, blocks * 3 * one
+    return blocks * 2 * one, blocks * 2 * one
+
+
+def _cp_comm(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, core: float) -> tuple[float, float]:
+    """Ring attention passes K and V around the cp group, hidden behind the per-step attention."""
+    if shape.cp == 1:
+        return 0.0, 0.0
+    kv_width = (model.mla.kv_lora_rank + model.mla.qk_pos_emb_head_dim if model.mla
+                else 2 * model.query_groups * model.head_dim / shape.tp)
+    step = comm.p2p(Group(name="cp", size=shape.cp, stride=shape.tp), shape.tokens_for(model) * kv_width * BYTES, cluster)
+    fwd = max(0.0, (shape.cp - 1) * step - core)
+    return fwd, max(0.0, 2 * (shape.cp - 1) * step - 2 * core)
+
+
+def _a2a_one_way(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, chunks: int) -> float:
+    """Dispatch (or combine) of one chunk over the ep group, plus the etp gather of what arrives."""
+    _, received = expert_tokens(model, shape)
+    sent = received / shape.etp
+    group = Group(name="ep", size=shape.ep, stride=shape.etp)
+    nbytes = sent * model.hidden_size * BYTES / chunks
+    algo = comm.all_to_all_hierarchical if shape.a2a == "hierarchical" else comm.all_to_all_flat
+    t = algo(group, nbytes, cluster)
+    if shape.etp > 1:
+        t += comm.ring(Group(name="etp", size=shape.etp, stride=1), received * model.hidden_size * BYTES / chunks, cluster)
+    return t
+
+
+def _pipelined(dispatch: float, combine: float, expert_chunk: float, chunks: int) -> float:
+    """Three-stage pipeline (dispatch -> experts -> combine) over ``chunks`` chunks on one link:
+    first chunk's dispatch, then each step costs the slower of the experts and the link."""
+    return dispatch + expert_chunk + combine + (chunks - 1) * max(expert_chunk, dispatch + combine)
+
+
+@functools.lru_cache(maxsize=4096)
+def layer_cost(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, moe: bool) -> LayerCost:
+    """Cost of one dense or MoE layer under ``shape`` on ``cluster``."""
+    acc = cluster.accelerator
+    attn_rest, core = attention_forward(model, shape, acc)
+    cp_f, cp_b = _cp_comm(model, shape, cluster, core)
+    if not moe:
+        mlp = dense_mlp_forward(model, shape, acc)
+        tp_f, tp_b = _tp_comm(model, shape, cluster, blocks=2)
+        fwd = attn_rest + core + mlp
+        return _finish(shape, fwd=fwd, core=core, comm_f=tp_f + cp_f, comm_b=tp_b + cp_b)
+    rest, experts = moe_forward(model, shape, acc)
+    chunks = shape.chunks if shape.a2a == "pipelined" else 1
+    blocks = 1 + (1 if model.moe_shared_expert_intermediate_size else 0)
+    tp_f, tp_b = _tp_comm(model, shape, cluster, blocks=blocks)
+    one_way = _a2a_one_way(model, shape, cluster, 1)
+    if chunks == 1:
+        a2a_f, a2a_b, exp_f, exp_b = 2 * one_way, 2 * one_way, experts, 2 * experts
+    else:
+        _, exp_chunk = moe_forward(model, shape, acc, chunks=chunks)
+        way = _a2a_one_way(model, shape, cluster, chunks)
+        exp_f, exp_b = chunks * exp_chunk, 2 * chunks * exp_chunk
+        a2a_f = _pipelined(way, way, exp_chunk, chunks) - exp_f
+        a2a_b = _pipelined(way, way, 2 * exp_chunk, chunks) - exp_b
+    fwd = attn_rest + core + rest + exp_f
+    cost = _finish(shape, fwd=fwd, core=core, comm_f=tp_f + cp_f, comm_b=tp_b + cp_b,
+                   a2a_f=a2a_f, a2a_b=a2a_b, bwd_compute=2 * (attn_rest + core + rest) + exp_b)
+    return dataclasses.replace(cost, a2a_raw=one_way)
+
+
+def _finish(shape: LayerShape, *, fwd: float, core: float, comm_f: float, comm_b: float, a2a_f: float = 0.0,
+            a2a_b: float = 0.0, bwd_compute: float | None = None) -> LayerCost:
+    bwd = 2 * fwd if bwd_compute is None else bwd_compute
+    if shape.recompute == "selective":
+        bwd += core
+    elif shape.recompute == "full":
+        bwd += fwd
+        comm_b += comm_f
+        a2a_b += a2a_f
+    return LayerCost(compute_fwd=fwd, compute_bwd=bwd, a2a_fwd=a2a_f, a2a_bwd=a2a_b, comm_fwd=comm_f, comm_bwd=comm_b)

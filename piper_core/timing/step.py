@@ -1,0 +1,184 @@
+"""Step time: stage times through the pipeline schedule, plus data-parallel reduction and the
+optimizer step; MFU, throughput, a breakdown that sums to the step, and the bottleneck.
+
+Schedule (1F1B; Narayanan et al., arXiv 2104.04473, Sec. 2.2): with ``m`` micro-batches and
+per-micro-batch stage times ``T_p`` (forward + backward + p2p), the step takes
+``(m - 1) max_p T_p + sum_p T_p`` -- every micro-batch passes the slowest stage, and the first and
+last pass every stage (X-MoE's planner uses the same form). Interleaving over ``vpp`` chunks
+divides the fill/drain part by ``vpp`` and sends ``vpp`` times as many p2p messages.
+Data-parallel gradient reduce-scatter (all-reduce without the distributed optimizer) overlaps the
+last micro-batch's backward and parameter all-gather the first forward, except one bucket each
+(Megatron ``overlap_grad_reduce`` / ``overlap_param_gather``, 40M-parameter buckets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from piper_core.resource.flops import recomputed_layers, step_flops
+from piper_core.resource.params import stage_params
+from piper_core.specs.cluster import ClusterSpec
+from piper_core.specs.compat import stage_layers
+from piper_core.specs.model import ModelSpec
+from piper_core.specs.parallel import ParallelPlan
+from piper_core.timing import comm
+from piper_core.timing.compute import BYTES, gemm_time, stream_time
+from piper_core.timing.layer import LayerCost, layer_cost, shape_of
+from piper_core.timing.topology import Group, dense_groups, expert_groups, slowest_link
+
+BUCKET_PARAMS = 40_000_000
+OPTIMIZER_BYTES = 30  # Adam on fp32 master: read param, grad, m, v (16); write param, m, v (12); bf16 copy (2)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageTime:
+    """One pipeline rank, per micro-batch (seconds)."""
+
+    stage: int
+    compute: float
+    a2a: float
+    comm: float
+    p2p: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.a2a + self.comm + self.p2p
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepTime:
+    step: float
+    compute: float
+    exposed_a2a: float
+    other_comm: float
+    bubble: float
+    optimizer: float
+    stages: tuple[StageTime, ...]
+    slowest_stage: int
+    a2a_one_way: float  # one unpipelined dispatch (or combine) of one MoE layer, for reports
+
+    def breakdown(self) -> dict[str, float]:
+        return {"compute": self.compute, "exposed_a2a": self.exposed_a2a, "other_comm": self.other_comm,
+                "bubble": self.bubble, "optimizer": self.optimizer}
+
+
+def _layer(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, layer: int, recomputed: frozenset[int]) -> LayerCost:
+    shape = shape_of(plan)
+    if plan.recompute == "full":
+        shape = shape.__class__(**{**{f: getattr(shape, f) for f in shape.__slots__},
+                                   "recompute": "full" if layer in recomputed else "none"})
+    return layer_cost(model, shape, cluster, model.moe_layer_pattern[layer])
+
+
+def _logits(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> float:
+    """Output GEMM fwd + 2x bwd, and the vocab-parallel cross entropy (element-wise)."""
+    acc, t = cluster.accelerator, model.seq_length // plan.cp * plan.micro_batch_size
+    vocab = model.padded_vocab(plan.tp) / plan.tp
+    gemm = gemm_time(acc, plan.precision, t, vocab, model.hidden_size)
+    return 3 * gemm + stream_time(acc, 3 * 4 * t * vocab)
+
+
+def _stage_times(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> tuple[tuple[StageTime, ...], float]:
+    recomputed = recomputed_layers(model, plan)
+    groups = dense_groups(plan)
+    act = model.seq_length // plan.cp * plan.micro_batch_size * model.hidden_size * BYTES
+    act //= plan.tp if plan.sequence_parallel else 1
+    p2p = 2 * plan.virtual_stages * comm.p2p(groups["pp"], act, cluster) if plan.pp > 1 else 0.0
+    out, raw = [], 0.0
+    for rank, chunks in enumerate(stage_layers(model, plan)):
+        compute = a2a = other = 0.0
+        for i in (i for c in chunks for i in c):
+            cost = _layer(model, plan, cluster, i, recomputed)
+            compute += cost.compute_fwd + cost.compute_bwd
+            a2a += cost.a2a_fwd + cost.a2a_bwd
+            other += cost.comm_fwd + cost.comm_bwd
+            raw = max(raw, cost.a2a_raw)
+        if rank == plan.pp - 1:
+            compute += _logits(model, plan, cluster)
+        out.append(StageTime(stage=rank, compute=compute, a2a=a2a, comm=other, p2p=p2p))
+    return tuple(out), raw
+
+
+def _overlapped(t: float, window: float, params: int) -> float:
+    """Exposed part of a bucketed collective overlapped with ``window`` seconds of compute."""
+    if t == 0.0 or params == 0:
+        return 0.0
+    last_bucket = t * min(1.0, BUCKET_PARAMS / params)
+    return max(t - window, last_bucket)
+
+
+def _data_parallel(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, stages: tuple[StageTime, ...]) -> float:
+    """Exposed gradient reduction + parameter gathering, worst pipeline rank."""
+    dense_g, expert_g = dense_groups(plan)["dp"], expert_groups(plan)["edp"]
+    grad_bytes = 4 if plan.precision == "bf16" else 2
+    worst = 0.0
+    for params, st in zip(stage_params(model, plan), stages):
+        window_b, window_f = 2 / 3 * st.compute / 1, 1 / 3 * st.compute
+        total = 0.0
+        for group, n in ((dense_g, params.dense), (expert_g, params.expert)):
+            if plan.distributed_optimizer:
+                rs = comm.ring(group, n * grad_bytes, cluster)
+                ag = comm.ring(group, n * BYTES, cluster)
+                total += _overlapped(rs, window_b, n) + _overlapped(ag, window_f, n)
+            else:
+                total += _overlapped(comm.ring(group, n * grad_bytes, cluster, passes=2), window_b, n)
+        worst = max(worst, total)
+    return worst
+
+
+def _optimizer(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> float:
+    worst = 0.0
+    for p in stage_params(model, plan):
+        n = p.dense / (plan.dp * plan.cp) + p.expert / plan.edp if plan.distributed_optimizer else p.total
+        worst = max(worst, stream_time(cluster.accelerator, n * OPTIMIZER_BYTES))
+    return worst
+
+
+def step_time(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> StepTime:
+    """Predicted time of one training step and its breakdown (seconds)."""
+    stages, raw = _stage_times(model, plan, cluster)
+    m, slow = plan.num_microbatches, max(stages, key=lambda s: s.total)
+    fill = sum(s.total for s in stages) - slow.total
+    pipeline = m * slow.total + fill / plan.virtual_stages
+    dp = _data_parallel(model, plan, cluster, stages)
+    opt = _optimizer(model, plan, cluster)
+    return StepTime(step=pipeline + dp + opt, compute=m * slow.compute, exposed_a2a=m * slow.a2a,
+                    other_comm=m * (slow.comm + slow.p2p) + dp, bubble=pipeline - m * slow.total, optimizer=opt,
+                    stages=stages, slowest_stage=slow.stage, a2a_one_way=raw)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Throughput:
+    mfu: float
+    tflops_per_gpu: float
+    tokens_per_s: float
+    bottleneck: str
+
+
+def throughput(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, t: StepTime) -> Throughput:
+    """MFU = model FLOPs (Megatron's definition) / (step time x GPUs x dense peak of the precision)."""
+    flops = step_flops(model, plan)
+    per_gpu = flops.model / t.step / plan.gpus
+    mfu = per_gpu / cluster.accelerator.peak_flops(plan.precision)
+    return Throughput(mfu=mfu, tflops_per_gpu=per_gpu / 1e12, tokens_per_s=flops.tokens / t.step,
+                      bottleneck=bottleneck(model, plan, cluster, t))
+
+
+def bottleneck(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, t: StepTime) -> str:
+    """One sentence naming the largest non-compute share of the step (or compute itself)."""
+    parts = t.breakdown()
+    name = max(parts, key=parts.get)
+    share = f"{100 * parts[name] / t.step:.0f}% of the step"
+    if name == "exposed_a2a":
+        link = slowest_link(expert_groups(plan)["ep"], cluster)
+        where = f"over {link.name} at {link.bandwidth_gb_per_s:g} GB/s" if link else "inside one GPU"
+        return f"the expert-parallel all-to-all (ep={plan.ep}, {plan.a2a}) is exposed for {share}, {where}"
+    if name == "bubble":
+        return (f"the pipeline bubble (pp={plan.pp}, vpp={plan.vpp or 1}, {plan.num_microbatches} micro-batches) "
+                f"idles {share}")
+    if name == "other_comm":
+        return f"tensor/context/data-parallel and pipeline communication is exposed for {share}"
+    if name == "optimizer":
+        return f"the optimizer step takes {share}"
+    a2a = 100 * t.exposed_a2a / t.step
+    return f"compute-bound: GEMMs and element-wise work are {share} (exposed all-to-all {a2a:.0f}%)"

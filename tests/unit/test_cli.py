@@ -1,0 +1,77 @@
+"""``piper predict``: JSON contract, human output, errors, speed, and no torch import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from piper_core.cli.main import main
+
+DEEPSEEK = ["predict", "deepseek-v3", "--cluster", "dgx-h100", "--gpus", "1024", "--parallel",
+            "tp=1,pp=16,last_stage_layers=1,ep=64,etp=1,mbs=1,gbs=4096,recompute=selective"]
+
+
+def run_json(capsys, argv):
+    assert main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_has_contract_keys(capsys):
+    out = run_json(capsys, DEEPSEEK)
+    for key in ("total", "active"):
+        assert isinstance(out["params"][key], int)
+    assert out["flops_per_step"]["model"] > 0 and out["flops_per_step"]["hardware"] > out["flops_per_step"]["model"]
+    mem = out["memory_gib"]
+    assert len(mem["stages"]) == 16
+    assert mem["peak"] == max(s["total"] for s in mem["stages"])
+    assert mem["capacity"] == pytest.approx(79.65 * 0.95, abs=1e-3)
+    assert out["feasible"] is (mem["peak"] <= mem["capacity"])
+    for stage in mem["stages"]:
+        parts = sum(stage[k] for k in ("weights", "gradients", "optimizer", "activations", "buffers", "overhead"))
+        assert stage["total"] == pytest.approx(parts, abs=1e-3)
+
+
+def test_infeasible_plan_says_by_how_much(capsys):
+    argv = ["predict", "mixtral-8x22b", "--cluster", "dgx-a100", "--gpus", "8", "--parallel", "ep=8,mbs=4,gbs=32,dist_opt=0"]
+    out = run_json(capsys, argv)
+    assert out["feasible"] is False and out["memory_gib"]["headroom"] < 0
+    assert main(argv) == 0
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_human_output_is_a_table(capsys):
+    assert main(["predict", "switch-1t", "--cluster", "frontier", "--gpus", "256",
+                 "--parallel", "pp=4,ep=64,mbs=1,gbs=256,recompute=full,recompute_layers=1"]) == 0
+    text = capsys.readouterr().out
+    assert "memory per GPU (GiB)" in text and "peak" in text
+    assert len([ln for ln in text.splitlines() if ln.strip().split(" ")[0] in "0123"]) >= 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parallel", "tp=1,pq=2,gbs=8"], r"--parallel pq='2': is not a parallel key; did you mean 'pp'\?"),
+    (["--parallel", "tp=1"], r"--parallel gbs=None: the global batch size is required"),
+    (["--parallel", "ep=3,gbs=8"], r"ep=3: must divide num_experts \(8\)"),
+    (["--parallel", "tp=2,gbs=8"], r"MoE with tp=2 > 1 requires sequence parallelism"),
+    (["--parallel", "sp=maybe,gbs=8"], r"--parallel sp='maybe': must be a boolean"),
+])
+def test_bad_input_exits_2_with_message(capsys, argv, message):
+    assert main(["predict", "tiny-moe", "--cluster", "cpu-local", "--gpus", "2"] + argv) == 2
+    import re
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_deepseek_predict_answers_under_one_second_and_without_torch():
+    code = ("import sys, time; t = time.perf_counter(); from piper_core.cli.main import main; "
+            f"rc = main({DEEPSEEK + ['--json']!r}); "
+            "assert 'torch' not in sys.modules, 'planning imported torch'; "
+            "print('ELAPSED', time.perf_counter() - t, file=sys.stderr); sys.exit(rc)")
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    wall = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["model"] == "deepseek-v3"
+    assert wall < 1.0, f"piper predict deepseek-v3 took {wall:.2f} s wall (interpreter start included)"
