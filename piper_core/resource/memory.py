@@ -18,14 +18,14 @@ Sources:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
 from piper_core.resource import activations
-from piper_core.resource.flops import recomputed_layers
 from piper_core.resource.params import ParamCount, stage_params
 from piper_core.specs.cluster import ClusterSpec
-from piper_core.specs.compat import stage_layers
+from piper_core.specs.compat import stage_kinds
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 
@@ -81,23 +81,33 @@ def layer_input_bytes(model: ModelSpec, plan: ParallelPlan) -> int:
     return tokens * model.hidden_size * 2 // (plan.tp if plan.sequence_parallel else 1)
 
 
-def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: tuple[tuple[int, ...], ...]) -> int:
-    """Activation bytes rank ``rank`` keeps at its peak (all in-flight micro-batches)."""
+@functools.lru_cache(maxsize=65536)
+def _layer_bytes(model: ModelSpec, plan: ParallelPlan, moe: bool) -> int:
+    return activations.layer_activation_bytes(model, plan, moe=moe)
+
+
+def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: tuple[tuple[bool, ...], ...]) -> int:
+    """Activation bytes rank ``rank`` keeps at its peak (all in-flight micro-batches).
+
+    ``chunks`` holds, per model chunk of the rank, whether each layer is a MoE layer.
+    """
     plain = dataclasses.replace(plan, recompute="none", recompute_num_layers=None) if plan.recompute == "full" else plan
-    recomputed = recomputed_layers(model, plan)
+    full = {moe: _layer_bytes(model, plain, moe) for moe in (False, True)}
     n = plan.recompute_num_layers or 1
     per_mb = 0       # bytes one micro-batch keeps on this rank, summed over its chunks
     transient = 0    # full recompute: one checkpointed group rebuilt in backward
     for chunk in chunks:
-        kept = [i for i in chunk if i not in recomputed]
-        redo = [i for i in chunk if i in recomputed]
-        per_mb += sum(activations.layer_activation_bytes(model, plain, moe=model.moe_layer_pattern[i]) for i in kept)
+        if plan.recompute != "full":
+            per_mb += sum(full[moe] for moe in chunk)
+            continue
+        # uniform: every layer, checkpointed in groups of n; block: the first n of the chunk
+        redo = chunk if plan.recompute_method == "uniform" else chunk[:n]
+        kept = () if plan.recompute_method == "uniform" else chunk[n:]
+        per_mb += sum(full[moe] for moe in kept)
         if redo:
             groups = math.ceil(len(redo) / n) if plan.recompute_method == "uniform" else 1
             per_mb += groups * layer_input_bytes(model, plan)
-            group = redo[:n] if plan.recompute_method == "uniform" else redo
-            transient = max(transient, sum(activations.layer_activation_bytes(
-                model, plain, moe=model.moe_layer_pattern[i]) for i in group))
+            transient = max(transient, sum(full[moe] for moe in redo[:n]))
     held = in_flight_chunks(plan, rank) * per_mb / len(chunks)
     if rank == 0:
         held += in_flight_chunks(plan, rank) / len(chunks) * activations.embedding_activation_bytes(model, plan)
@@ -139,7 +149,7 @@ def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
     out = []
     params = stage_params(model, plan)
     buffers = _buffers(model, plan)
-    for rank, chunks in enumerate(stage_layers(model, plan)):
+    for rank, chunks in enumerate(stage_kinds(model, plan)):
         weights, grads, optimizer = _state_bytes(params[rank], plan)
         out.append(StageMemory(
             stage=rank, layers=sum(len(c) for c in chunks), params=params[rank], weights=weights,

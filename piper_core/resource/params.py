@@ -10,9 +10,10 @@ where Megatron splits it. MLA down-projections are duplicated on every tp rank, 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
-from piper_core.specs.compat import stage_layers
+from piper_core.specs.compat import stage_kinds
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 
@@ -88,16 +89,21 @@ def mlp_params(model: ModelSpec, ffn: int, tp: int) -> int:
 
 def layer_params(model: ModelSpec, plan: ParallelPlan, layer: int) -> ParamCount:
     """Layer ``layer`` (0-based) on one GPU: attention, pre-MLP norm, and dense MLP or MoE."""
-    tp, h = plan.tp, model.hidden_size
+    return _layer_params(model, plan.tp, plan.ep, plan.etp_size, model.moe_layer_pattern[layer])
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_params(model: ModelSpec, tp: int, ep: int, etp: int, moe: bool) -> ParamCount:
+    h = model.hidden_size
     dense = attention_params(model, tp) + _norm(model, h)
-    if not model.moe_layer_pattern[layer]:
+    if not moe:
         return ParamCount(dense=dense + mlp_params(model, model.ffn_hidden_size, tp))
     router = model.num_experts * h + (model.num_experts if model.add_bias_linear else 0)
     shared = model.moe_shared_expert_intermediate_size
     if shared:
         dense += mlp_params(model, shared, tp)
-    local_experts = model.num_experts // plan.ep
-    expert = local_experts * mlp_params(model, model.moe_ffn_hidden_size, plan.etp_size)
+    local_experts = model.num_experts // ep
+    expert = local_experts * mlp_params(model, model.moe_ffn_hidden_size, etp)
     return ParamCount(dense=dense + router, expert=expert, fp32=router)
 
 
@@ -116,11 +122,23 @@ def stage_params(model: ModelSpec, plan: ParallelPlan) -> tuple[ParamCount, ...]
     and the output layer. With tied embeddings the output layer owns a copy of the embedding
     unless it sits on the same rank (pp == 1) -- GPTModel ``skip_weight_param_allocation``.
     """
+    return _stage_params(model, plan.tp, plan.ep, plan.etp_size, plan.pp, plan.vpp,
+                         plan.num_layers_in_first_pipeline_stage, plan.num_layers_in_last_pipeline_stage)
+
+
+@functools.lru_cache(maxsize=16384)
+def _stage_params(model: ModelSpec, tp: int, ep: int, etp: int, pp: int, vpp: int | None, first: int | None,
+                  last: int | None) -> tuple[ParamCount, ...]:
     out = []
-    for rank, chunks in enumerate(stage_layers(model, plan)):
-        count = ParamCount()
-        for layer in (i for chunk in chunks for i in chunk):
-            count += layer_params(model, plan, layer)
+    plan = ParallelPlan(gpus=tp * pp * ep * etp, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, global_batch_size=ep * etp,
+                        sequence_parallel=tp > 1, num_layers_in_first_pipeline_stage=first,
+                        num_layers_in_last_pipeline_stage=last)
+    kinds = {moe: _layer_params(model, plan.tp, plan.ep, plan.etp_size, moe) if moe in model.moe_layer_pattern
+             else ParamCount() for moe in (False, True)}
+    for rank, chunks in enumerate(stage_kinds(model, plan)):
+        moe_layers = sum(sum(chunk) for chunk in chunks)
+        dense_layers = sum(len(chunk) for chunk in chunks) - moe_layers
+        count = kinds[False].scaled(dense_layers) + kinds[True].scaled(moe_layers)
         extra = 0
         if rank == 0:
             extra += embedding_params(model, plan.tp)

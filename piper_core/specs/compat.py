@@ -7,6 +7,9 @@ assignment of layers to (virtual) pipeline stages.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 from piper_core.errors import SpecError
 from piper_core.specs._check import divides
 from piper_core.specs.model import ModelSpec
@@ -62,6 +65,20 @@ def _check_recompute(model: ModelSpec, plan: ParallelPlan) -> None:
                         "block method", f"use at most {per_chunk}")
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _LayoutPlan:
+    """The fields of a plan that decide the layer layout (the cache key of :func:`stage_layers`)."""
+
+    pp: int
+    vpp: int | None
+    num_layers_in_first_pipeline_stage: int | None
+    num_layers_in_last_pipeline_stage: int | None
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.vpp or 1
+
+
 def _pp_layer_counts(model: ModelSpec, plan: ParallelPlan) -> list[int]:
     """Layers on each pipeline rank (TransformerConfig uneven-split rules)."""
     first, last = plan.num_layers_in_first_pipeline_stage, plan.num_layers_in_last_pipeline_stage
@@ -99,13 +116,28 @@ def stage_layers(model: ModelSpec, plan: ParallelPlan) -> tuple[tuple[tuple[int,
     Megatron assigns layers to virtual stages in the order ``v * pp + p`` (chunk-major), each pp rank
     holding ``count / vpp`` consecutive layers per chunk (``get_transformer_layer_offset``).
     """
-    counts = _pp_layer_counts(model, plan)
+    return _stage_layers(model, plan.pp, plan.vpp, plan.num_layers_in_first_pipeline_stage,
+                         plan.num_layers_in_last_pipeline_stage)
+
+
+@functools.cache
+def _stage_layers(model: ModelSpec, pp: int, vpp_or_none: int | None, first: int | None,
+                  last: int | None) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    plan = _LayoutPlan(pp=pp, vpp=vpp_or_none, num_layers_in_first_pipeline_stage=first,
+                       num_layers_in_last_pipeline_stage=last)
+    counts = _pp_layer_counts(model, plan)  # type: ignore[arg-type]
     vpp = plan.virtual_stages
-    out: list[list[tuple[int, ...]]] = [[] for _ in range(plan.pp)]
+    out: list[list[tuple[int, ...]]] = [[] for _ in range(pp)]
     start = 0
     for v in range(vpp):
-        for p in range(plan.pp):
+        for p in range(pp):
             n = counts[p] // vpp
             out[p].append(tuple(range(start, start + n)))
             start += n
     return tuple(tuple(chunks) for chunks in out)
+
+
+def stage_kinds(model: ModelSpec, plan: ParallelPlan) -> tuple[tuple[tuple[bool, ...], ...], ...]:
+    """Like :func:`stage_layers`, but each layer replaced by whether it is a MoE layer."""
+    pattern = model.moe_layer_pattern
+    return tuple(tuple(tuple(pattern[i] for i in chunk) for chunk in rank) for rank in stage_layers(model, plan))

@@ -6,6 +6,7 @@ Megatron user can read a spec without a glossary. Sizes are element counts, not 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -133,10 +134,7 @@ class ModelSpec:
     @property
     def moe_layer_pattern(self) -> tuple[bool, ...]:
         """Per layer (0-based): True where the FFN is a MoE layer."""
-        if not self.is_moe:
-            return (False,) * self.num_layers
-        return tuple(i >= self.moe_first_k_dense and i % self.moe_layer_freq == 0
-                     for i in range(self.num_layers))
+        return _moe_pattern(self.num_layers, self.num_experts, self.moe_first_k_dense, self.moe_layer_freq)
 
     @property
     def num_moe_layers(self) -> int:
@@ -149,3 +147,10 @@ class ModelSpec:
         """
         multiple = self.make_vocab_size_divisible_by * tp
         return math.ceil(self.vocab_size / multiple) * multiple
+
+
+@functools.cache
+def _moe_pattern(layers: int, experts: int, first_k_dense: int, freq: int) -> tuple[bool, ...]:
+    if experts == 0:
+        return (False,) * layers
+    return tuple(i >= first_k_dense and i % freq == 0 for i in range(layers))

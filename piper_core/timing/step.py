@@ -13,12 +13,14 @@ last micro-batch's backward and parameter all-gather the first forward, except o
 
 from __future__ import annotations
 
+import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 
-from piper_core.resource.flops import recomputed_layers, step_flops
+from piper_core.resource.flops import step_flops
 from piper_core.resource.params import stage_params
 from piper_core.specs.cluster import ClusterSpec
-from piper_core.specs.compat import stage_layers
+from piper_core.specs.compat import stage_kinds
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.timing import comm
@@ -62,12 +64,12 @@ class StepTime:
                 "bubble": self.bubble, "optimizer": self.optimizer}
 
 
-def _layer(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, layer: int, recomputed: frozenset[int]) -> LayerCost:
+def _layer(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, moe: bool, full: bool) -> LayerCost:
+    """Cost of a dense or MoE layer; ``full`` marks a layer that full recompute repeats."""
     shape = shape_of(plan)
     if plan.recompute == "full":
-        shape = shape.__class__(**{**{f: getattr(shape, f) for f in shape.__slots__},
-                                   "recompute": "full" if layer in recomputed else "none"})
-    return layer_cost(model, shape, cluster, model.moe_layer_pattern[layer])
+        shape = dataclasses.replace(shape, recompute="full" if full else "none")
+    return layer_cost(model, shape, cluster, moe)
 
 
 def _logits(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> float:
@@ -79,19 +81,22 @@ def _logits(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> float
 
 
 def _stage_times(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> tuple[tuple[StageTime, ...], float]:
-    recomputed = recomputed_layers(model, plan)
     groups = dense_groups(plan)
+    block = plan.recompute_num_layers if plan.recompute_method == "block" else None
     act = model.seq_length // plan.cp * plan.micro_batch_size * model.hidden_size * BYTES
     act //= plan.tp if plan.sequence_parallel else 1
     p2p = 2 * plan.virtual_stages * comm.p2p(groups["pp"], act, cluster) if plan.pp > 1 else 0.0
     out, raw = [], 0.0
-    for rank, chunks in enumerate(stage_layers(model, plan)):
+    for rank, chunks in enumerate(stage_kinds(model, plan)):
+        # (moe, recomputed) -> layer count; full recompute with "block" repeats the first n per chunk
+        kinds = Counter((moe, plan.recompute == "full" and (block is None or j < block))
+                        for chunk in chunks for j, moe in enumerate(chunk))
         compute = a2a = other = 0.0
-        for i in (i for c in chunks for i in c):
-            cost = _layer(model, plan, cluster, i, recomputed)
-            compute += cost.compute_fwd + cost.compute_bwd
-            a2a += cost.a2a_fwd + cost.a2a_bwd
-            other += cost.comm_fwd + cost.comm_bwd
+        for (moe, full), count in kinds.items():
+            cost = _layer(model, plan, cluster, moe, full)
+            compute += count * (cost.compute_fwd + cost.compute_bwd)
+            a2a += count * (cost.a2a_fwd + cost.a2a_bwd)
+            other += count * (cost.comm_fwd + cost.comm_bwd)
             raw = max(raw, cost.a2a_raw)
         if rank == plan.pp - 1:
             compute += _logits(model, plan, cluster)

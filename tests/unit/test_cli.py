@@ -52,14 +52,15 @@ def test_human_output_is_a_table(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--parallel", "tp=1,pq=2,gbs=8"], r"--parallel pq='2': is not a parallel key; did you mean 'pp'\?"),
-    (["--parallel", "tp=1"], r"--parallel gbs=None: the global batch size is required"),
-    (["--parallel", "ep=3,gbs=8"], r"ep=3: must divide num_experts \(8\)"),
-    (["--parallel", "tp=2,gbs=8"], r"MoE with tp=2 > 1 requires sequence parallelism"),
-    (["--parallel", "sp=maybe,gbs=8"], r"--parallel sp='maybe': must be a boolean"),
+    (["--gpus", "2", "--parallel", "tp=1,ppp=2,gbs=8"], r"--parallel ppp='2': is not a parallel key; did you mean 'pp'\?"),
+    (["--gpus", "2", "--parallel", "tp=1"], r"--parallel gbs=None: the global batch size is required"),
+    (["--gpus", "6", "--parallel", "ep=3,gbs=12"], r"ep=3: must divide num_experts \(8\); choose ep in \{1, 2, 4, 8\}"),
+    (["--gpus", "2", "--parallel", "ep=4,gbs=8"], r"ep=4: etp\*ep = 1\*4 = 4 must divide tp\*cp\*dp = 2"),
+    (["--gpus", "2", "--parallel", "tp=2,gbs=8"], r"MoE with tp=2 > 1 requires sequence parallelism"),
+    (["--gpus", "2", "--parallel", "sp=maybe,gbs=8"], r"--parallel sp='maybe': must be a boolean"),
 ])
 def test_bad_input_exits_2_with_message(capsys, argv, message):
-    assert main(["predict", "tiny-moe", "--cluster", "cpu-local", "--gpus", "2"] + argv) == 2
+    assert main(["predict", "tiny-moe", "--cluster", "cpu-local"] + argv) == 2
     import re
     assert re.search(message, capsys.readouterr().err)
 

@@ -1,0 +1,131 @@
+"""``piper plan MODEL --cluster C --gpus N``: search every plan, print the best and why."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from piper_core.cli.progress import Progress
+from piper_core.errors import SpecError
+from piper_core.presets import load_cluster, load_model
+from piper_core.resource.memory import GIB
+from piper_core.resource.predict import Prediction, to_json
+from piper_core.scheduler.search import SearchResult, best_predictions, search
+from piper_core.specs.model import ModelSpec
+
+DEFAULT_TOKENS_PER_STEP = 4 * 1024 * 1024
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="search all parallel plans and pick the best that fits",
+                       description="Enumerate every valid plan, reject the infeasible with a reason, and rank the "
+                                   "rest by predicted throughput (MFU).")
+    p.add_argument("model", help="model preset name or ModelSpec YAML path")
+    p.add_argument("--cluster", required=True, help="cluster preset name or ClusterSpec YAML path")
+    p.add_argument("--gpus", type=int, required=True, help="world size")
+    p.add_argument("--gbs", type=int, help="global batch size in sequences (default: the smallest multiple of "
+                                           "--gpus reaching 4 Mi tokens per step)")
+    p.add_argument("--seq", type=int, help="sequence length (default: the model's)")
+    p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
+    p.add_argument("--memory-headroom", type=float, default=0.0,
+                   help="fraction of usable memory to keep free, e.g. 0.1 (default 0)")
+    p.add_argument("--attention", choices=("flash", "unfused"), default="flash", help="attention kernel (default flash)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--export-megatron", metavar="FILE", help="write Megatron-LM arguments for the best plan")
+    p.add_argument("--export-deepspeed", metavar="FILE", help="write a DeepSpeed JSON config for the best plan")
+    p.add_argument("--plot", metavar="DIR", help="write timeline, memory and Pareto PNGs for the best plan")
+    p.set_defaults(func=run)
+
+
+def default_gbs(model: ModelSpec, gpus: int) -> int:
+    per_step = -(-DEFAULT_TOKENS_PER_STEP // model.seq_length)
+    return -(-per_step // gpus) * gpus
+
+
+def run(args: argparse.Namespace) -> int:
+    model, cluster = load_model(args.model), load_cluster(args.cluster)
+    if args.seq is not None:
+        model = dataclasses.replace(model, seq_length=args.seq)
+    if args.gpus <= 0:
+        raise SpecError("--gpus", args.gpus, "must be a positive number", "give the world size, e.g. --gpus 64")
+    if not 0.0 <= args.memory_headroom < 1.0:
+        raise SpecError("--memory-headroom", args.memory_headroom, "must be in [0, 1)", "use e.g. 0.1 to keep 10 % free")
+    gbs = args.gbs or default_gbs(model, args.gpus)
+    result = search(model, cluster, args.gpus, gbs, memory_headroom=args.memory_headroom,
+                    attention_backend=args.attention, progress=Progress("searching"))
+    best = best_predictions(model, cluster, result, args.top)
+    if best:
+        _exports(args, model, cluster, best[0], result)
+    if args.json:
+        print(json.dumps(plan_json(result, best, gbs), indent=2))
+    else:
+        print(render(model.name, cluster.name, args.gpus, gbs, result, best))
+    return 0 if best else 1
+
+
+def _exports(args, model, cluster, best: Prediction, result: SearchResult) -> None:
+    if args.export_megatron:
+        from piper_core.export import megatron_args
+        Path(args.export_megatron).write_text(megatron_args(best))
+    if args.export_deepspeed:
+        from piper_core.export import deepspeed_config
+        Path(args.export_deepspeed).write_text(json.dumps(deepspeed_config(best), indent=2) + "\n")
+    if args.plot:
+        from piper_core.plots import write_plots
+        write_plots(Path(args.plot), best, result)
+
+
+def plan_json(result: SearchResult, best: list[Prediction], gbs: int) -> dict:
+    return {"candidates": result.candidates, "feasible": result.feasible, "rejected": dict(result.rejected),
+            "global_batch_size": gbs,
+            "search": {"elapsed_s": result.elapsed_s, "plans_per_s": result.plans_per_s},
+            "plans": [to_json(p) for p in best]}
+
+
+def describe(plan) -> str:
+    """Compact plan label, e.g. ``tp2 pp4 vpp2 ep8 etp1 cp1 mbs1 sel dopt pipelined/4``."""
+    a2a = plan.a2a + (f"/{plan.a2a_chunks}" if plan.a2a == "pipelined" else "")
+    rc = {"none": "norc", "selective": "sel", "full": f"full{plan.recompute_num_layers}"}[plan.recompute]
+    last = f" last{plan.num_layers_in_last_pipeline_stage}" if plan.num_layers_in_last_pipeline_stage else ""
+    return (f"tp{plan.tp} pp{plan.pp}{last} vpp{plan.vpp or 1} cp{plan.cp} ep{plan.ep} etp{plan.etp_size} "
+            f"mbs{plan.micro_batch_size} {rc} {'dopt' if plan.distributed_optimizer else 'nodopt'} {a2a}")
+
+
+def render(model: str, cluster: str, gpus: int, gbs: int, result: SearchResult, best: list[Prediction]) -> str:
+    lines = [f"piper plan: {model} on {gpus} GPUs of {cluster}, global batch {gbs}",
+             f"searched {result.candidates:,} plans in {result.elapsed_s:.2f} s ({result.plans_per_s:,.0f} plans/s): "
+             f"{result.feasible:,} feasible"]
+    if result.rejected:
+        lines.append("rejected: " + ", ".join(f"{n:,} {reason}" for reason, n in result.rejected.most_common()))
+    if not best:
+        lines.append("no plan fits: add GPUs, lower --gbs or --seq, or relax --memory-headroom")
+        return "\n".join(lines)
+    head = f"{'#':>2}  {'plan':<58} {'MFU':>6} {'step s':>8} {'peak/cap GiB':>14} {'a2a exp':>8} {'bubble':>7}"
+    lines += ["", head]
+    for i, p in enumerate(best, 1):
+        b = p.time.breakdown()
+        lines.append(f"{i:>2}  {describe(p.plan):<58} {100 * p.rate.mfu:5.1f}% {p.time.step:8.3f} "
+                     f"{p.peak_stage.total / GIB:6.1f}/{p.capacity_bytes / GIB:<6.1f} "
+                     f"{100 * b['exposed_a2a'] / p.time.step:7.1f}% {100 * b['bubble'] / p.time.step:6.1f}%")
+    top = best[0]
+    lines += ["", f"best: {describe(top.plan)}",
+              f"  predicted MFU {100 * top.rate.mfu:.1f}% ({top.rate.tflops_per_gpu:.0f} TFLOPS/GPU, "
+              f"{top.rate.tokens_per_s:,.0f} tokens/s), step {top.time.step:.3f} s, peak memory "
+              f"{top.peak_stage.total / GIB:.1f} of {top.capacity_bytes / GIB:.1f} GiB",
+              f"  bottleneck: {top.rate.bottleneck}",
+              f"  why: {why(top, best)}"]
+    return "\n".join(lines)
+
+
+def why(top: Prediction, best: list[Prediction]) -> str:
+    """One sentence comparing the winner with the runner-up."""
+    if len(best) < 2:
+        return "the only feasible plan"
+    second = best[1]
+    gain = 100 * (second.time.step / top.time.step - 1)
+    diffs = [f"{k}={getattr(top.plan, k)} vs {getattr(second.plan, k)}"
+             for k in ("tp", "pp", "vpp", "cp", "ep", "etp_size", "micro_batch_size", "recompute",
+                       "distributed_optimizer", "a2a", "a2a_chunks") if getattr(top.plan, k) != getattr(second.plan, k)]
+    return f"{gain:.1f}% faster than the runner-up ({', '.join(diffs) or 'same sizes'})"

@@ -1,0 +1,1 @@
+"""Hybrid-parallel plan search: enumerate, reject with reasons, rank by predicted throughput."""

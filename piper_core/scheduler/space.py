@@ -1,0 +1,80 @@
+"""The search space: every combination of parallel sizes and options the scheduler considers,
+and the cheap structural rules that reject a combination before any cost is computed."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from piper_core.errors import divisors
+from piper_core.specs.cluster import ClusterSpec
+from piper_core.specs.model import ModelSpec
+
+A2A_CHOICES: tuple[tuple[str, int], ...] = (("flat", 1), ("hierarchical", 1), ("pipelined", 2), ("pipelined", 4),
+                                            ("pipelined", 8))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchSpace:
+    """Values tried per dimension (defaults: the full space of ``piper plan``)."""
+
+    tp: tuple[int, ...]
+    pp: tuple[int, ...]
+    vpp: tuple[int, ...] = (1, 2, 4)
+    cp: tuple[int, ...] = (1, 2, 4)
+    ep: tuple[int, ...]
+    etp_equals_tp: tuple[bool, ...] = (False, True)
+    mbs: tuple[int, ...] = (1, 2, 4)
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    distributed_optimizer: tuple[bool, ...] = (True, False)
+    a2a: tuple[tuple[str, int], ...] = A2A_CHOICES
+
+    @property
+    def size(self) -> int:
+        dims = (self.tp, self.pp, self.vpp, self.cp, self.ep, self.etp_equals_tp, self.mbs, self.recompute,
+                self.distributed_optimizer, self.a2a)
+        n = 1
+        for d in dims:
+            n *= len(d)
+        return n
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def default_space(model: ModelSpec, cluster: ClusterSpec, gpus: int) -> SearchSpace:
+    """tp within a node, pp up to the layer count, ep over powers of two and divisors of the experts."""
+    pp = sorted({p for p in _powers_of_two(min(gpus, model.num_layers))} | {d for d in divisors(model.num_layers) if d <= gpus})
+    ep = [1]
+    if model.is_moe:
+        ep = sorted(({e for e in _powers_of_two(gpus)} | set(divisors(model.num_experts))) - {0})
+        ep = [e for e in ep if e <= gpus]
+    space = SearchSpace(tp=tuple(_powers_of_two(min(cluster.gpus_per_node, gpus))), pp=tuple(pp), ep=tuple(ep))
+    if not model.is_moe:
+        space = SearchSpace(tp=space.tp, pp=space.pp, ep=(1,), etp_equals_tp=(True,), a2a=(("flat", 1),))
+    return space
+
+
+def pipeline_split(num_layers: int, pp: int, vpp: int) -> tuple[int | None, str | None]:
+    """Layers on the last stage for an uneven split (None: even), or a rejection reason.
+
+    When ``pp * vpp`` does not divide the layers, the last stage takes the remainder so that the
+    other stages hold ``ceil(L / pp)`` each (Megatron ``--decoder-last-pipeline-num-layers``).
+    """
+    if num_layers % (pp * vpp) == 0:
+        return None, None
+    if pp == 1 or vpp > 1:
+        return None, "layers do not split evenly over pp*vpp"
+    base = -(-num_layers // pp)
+    last = num_layers - base * (pp - 1)
+    if last <= 0:
+        return None, "layers do not split over pp"
+    return last, None
+
+
+def grid(space: SearchSpace) -> Iterator[tuple]:
+    """Raw combinations (tp, pp, vpp, cp, ep, etp_equals_tp, mbs, recompute, dist_opt)."""
+    return itertools.product(space.tp, space.pp, space.vpp, space.cp, space.ep, space.etp_equals_tp, space.mbs,
+                             space.recompute, space.distributed_optimizer)
