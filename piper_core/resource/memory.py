@@ -92,7 +92,8 @@ def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: 
     ``chunks`` holds, per model chunk of the rank, whether each layer is a MoE layer.
     """
     plain = dataclasses.replace(plan, recompute="none", recompute_num_layers=None) if plan.recompute == "full" else plan
-    full = {moe: _layer_bytes(model, plain, moe) for moe in (False, True)}
+    kinds = {moe for chunk in chunks for moe in chunk}
+    full = {moe: _layer_bytes(model, plain, moe) for moe in kinds}
     n = plan.recompute_num_layers or 1
     per_mb = 0       # bytes one micro-batch keeps on this rank, summed over its chunks
     transient = 0    # full recompute: one checkpointed group rebuilt in backward
@@ -116,19 +117,6 @@ def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: 
     return math.ceil(held + transient)
 
 
-def routed_tokens(model: ModelSpec, plan: ParallelPlan) -> int:
-    """Token copies the busiest GPU receives for its local experts in one MoE layer, one micro-batch.
-
-    Each rank routes its own ``s*b/cp`` tokens (``/tp`` under sequence parallelism, which Megatron
-    requires for MoE with tp > 1) top-k times; the all-to-all conserves the total, so the mean rank
-    receives as many as it sends, and expert-TP all-gathers them ``etp`` times. The capacity factor
-    caps the busiest expert (Megatron ``get_capacity``); dropless, ``moe_expert_load_skew`` scales it.
-    """
-    tokens = model.seq_length // plan.cp * plan.micro_batch_size // (plan.tp if plan.sequence_parallel else 1)
-    factor = model.moe_capacity_factor if model.moe_capacity_factor is not None else model.moe_expert_load_skew
-    return math.ceil(tokens * model.moe_router_topk * factor) * plan.etp_size
-
-
 def _buffers(model: ModelSpec, plan: ParallelPlan) -> int:
     """Transient buffers outside the saved activations, the largest one live at a time.
 
@@ -140,7 +128,7 @@ def _buffers(model: ModelSpec, plan: ParallelPlan) -> int:
     gathered = tokens * model.hidden_size * 2 if plan.sequence_parallel else 0
     a2a = 0
     if model.is_moe:
-        a2a = routed_tokens(model, plan) * model.hidden_size * 2
+        a2a = activations.routed_rows(model, plan) * model.hidden_size * 2
     return max(gathered, a2a)
 
 

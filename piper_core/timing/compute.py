@@ -10,8 +10,10 @@ activations, softmax, permutation) is priced by the bytes it moves through HBM.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from piper_core.resource.activations import busiest_rows
 from piper_core.specs.cluster import AcceleratorSpec
 from piper_core.specs.model import ModelSpec
 
@@ -102,13 +104,12 @@ def mlp_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec, token
 def expert_tokens(model: ModelSpec, shape: LayerShape) -> tuple[float, float]:
     """(tokens per local expert on the busiest GPU, routed tokens that GPU receives).
 
-    Each rank routes its ``s b / cp`` tokens (split over tp by SP) top-k times; the busiest expert
-    gets ``capacity factor`` (or ``moe_expert_load_skew``) times the mean; expert-TP gathers
-    ``etp`` ranks' tokens.
+    Each rank routes its ``s b / cp`` tokens (split over tp by SP) top-k times; the rows the
+    busiest GPU receives are those the activation model keeps (``busiest_rows``: padded capacity,
+    or dropless skew), gathered over etp.
     """
-    sent = shape.tokens_for(model) / (shape.tp if shape.sp else 1) * model.moe_router_topk
-    factor = model.moe_capacity_factor if model.moe_capacity_factor is not None else model.moe_expert_load_skew
-    received = sent * factor * shape.etp
+    local = math.ceil(shape.tokens_for(model) / (shape.tp if shape.sp else 1))
+    received, _ = busiest_rows(model, local, shape.ep, shape.etp)
     return received / (model.num_experts / shape.ep), received
 
 
