@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.piper-installed
 TORCH  ?= torch==2.13.0
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: install run test test-unit test-megatron clean
+.PHONY: install run test test-unit test-megatron bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -21,10 +21,16 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-# The main job on built-in defaults: predict the 1T Switch recipe on a DGX H100 cluster.
+# The main job on built-in defaults: plan the 1T Switch recipe on 1024 DGX H100 GPUs, then show
+# the full prediction of the plan the scheduler picks.
 run: install
+	$(PIPER) plan switch-1t --cluster dgx-h100 --gpus 1024 --gbs 2048 --top 5
 	$(PIPER) predict switch-1t --cluster dgx-h100 --gpus 1024 \
-	  --parallel "tp=1,pp=4,ep=64,etp=1,mbs=1,gbs=1024,recompute=selective"
+	  --parallel "ep=512,mbs=2,gbs=2048,a2a=hierarchical"
+
+# Benchmarks (not part of `make test`): scheduler search speed over the full space.
+bench: install
+	$(PY) -m piper_core.bench.search_speed
 
 # Every tier runs on its own so that a tier collecting no test fails the run (pytest exit 5).
 test: install test-unit test-megatron

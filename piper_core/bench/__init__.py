@@ -1,0 +1,1 @@
+"""Benchmarks (run with `make bench`); they report what they measure on this machine."""

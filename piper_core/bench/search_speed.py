@@ -1,0 +1,49 @@
+"""Scheduler search speed: the full default space for deepseek-v3 on 1024 dgx-h100 GPUs.
+
+Run: ``make bench`` (or ``python -m piper_core.bench.search_speed [--repeat N] [--json]``).
+Prints the wall time of each repetition, the median, and plans searched per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from piper_core.presets import load_cluster, load_model
+from piper_core.scheduler.search import search
+
+CASES = (("deepseek-v3", "dgx-h100", 1024, 4096), ("switch-1t", "dgx-h100", 1024, 2048),
+         ("mixtral-8x7b", "dgx-h100", 64, 1024))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    rows = []
+    for model_name, cluster_name, gpus, gbs in CASES:
+        model, cluster = load_model(model_name), load_cluster(cluster_name)
+        walls, result = [], None
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            result = search(model, cluster, gpus, gbs)
+            walls.append(time.perf_counter() - start)
+        median = statistics.median(walls)
+        rows.append({"model": model_name, "cluster": cluster_name, "gpus": gpus, "gbs": gbs,
+                     "candidates": result.candidates, "feasible": result.feasible, "wall_s": walls,
+                     "median_s": median, "plans_per_s": result.candidates / median})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            print(f"{r['model']:>14} on {r['gpus']:>5} {r['cluster']}: {r['candidates']:,} plans "
+                  f"({r['feasible']:,} feasible), median {r['median_s']:.2f} s of "
+                  f"{', '.join(f'{w:.2f}' for w in r['wall_s'])} -> {r['plans_per_s']:,.0f} plans/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
