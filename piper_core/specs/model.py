@@ -95,6 +95,9 @@ class ModelSpec:
         for key in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise SpecError(key, getattr(self, key), "must be in [0, 1)", "use 0.0 for no dropout")
+        if self.mla is not None and self.position_embedding != "rope":
+            raise SpecError("position_embedding", self.position_embedding, "multi-latent attention applies RoPE to "
+                            "its qk_pos_emb part (Megatron MLASelfAttention)", "set position_embedding: rope")
         self._check_moe()
 
     def _check_moe(self) -> None:
@@ -111,6 +114,9 @@ class ModelSpec:
         if self.moe_expert_load_skew < 1.0:
             raise SpecError("moe_expert_load_skew", self.moe_expert_load_skew,
                             "is max/mean tokens per expert and must be >= 1", "use 1.0 for perfect balance")
+        if self.moe_shared_expert_intermediate_size and self.add_bias_linear:
+            raise SpecError("add_bias_linear", True, "Megatron's SharedExpertMLP does not support biases",
+                            "set add_bias_linear: false or remove the shared expert")
         if self.moe_first_k_dense >= self.num_layers:
             raise SpecError("moe_first_k_dense", self.moe_first_k_dense,
                             f"must be < num_layers ({self.num_layers}) for a MoE model",

@@ -103,6 +103,10 @@ MODEL_RULES = [
     (dict(moe_ffn_hidden_size=None), r"moe_ffn_hidden_size=None: must be a positive number"),
     (dict(normalization="rmsnorm"), r"normalization='rmsnorm': must be one of \['RMSNorm', 'LayerNorm'\]; did you mean 'RMSNorm'"),
     (dict(num_layers=0), r"num_layers=0: must be a positive number"),
+    (dict(moe_shared_expert_intermediate_size=64, add_bias_linear=True),
+     r"add_bias_linear=True: Megatron's SharedExpertMLP does not support biases"),
+    (dict(position_embedding="learned_absolute", mla=load_model("deepseek-v3").mla),
+     r"position_embedding='learned_absolute': multi-latent attention applies RoPE"),
 ]
 
 
