@@ -11,6 +11,7 @@ from piper_core.cli.progress import Progress
 from piper_core.errors import SpecError
 from piper_core.presets import load_cluster, load_model
 from piper_core.resource.memory import GIB
+from piper_core.resource.params import total_params
 from piper_core.resource.predict import Prediction, to_json
 from piper_core.scheduler.search import SearchResult, best_predictions, search
 from piper_core.specs.model import ModelSpec
@@ -62,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan_json(result, best, gbs), indent=2))
     else:
         print(render(model.name, cluster.name, args.gpus, gbs, result, best))
+        if not best:
+            print(f"{model.name} needs at least {min_gpus(model, cluster):,} GPUs of {cluster.name} for its weights, "
+                  "gradients and Adam state alone (18 bytes per parameter, fully sharded)")
     return 0 if best else 1
 
 
@@ -75,6 +79,14 @@ def _exports(args, model, cluster, best: Prediction, result: SearchResult) -> No
     if args.plot:
         from piper_core.plots import write_plots
         write_plots(Path(args.plot), best, result)
+
+
+def min_gpus(model: ModelSpec, cluster) -> int:
+    """Lower bound on GPUs for weights, gradients and Adam state alone (bf16, fully sharded:
+    2 + 4 + 12 bytes per parameter over all GPUs), before any activation or overhead."""
+    need = total_params(model) * 18
+    usable = (cluster.capacity_gib - cluster.memory_overhead_gib) * GIB
+    return -(-need // int(usable))
 
 
 def plan_json(result: SearchResult, best: list[Prediction], gbs: int) -> dict:

@@ -139,5 +139,13 @@ def _stage_layers(model: ModelSpec, pp: int, vpp_or_none: int | None, first: int
 
 def stage_kinds(model: ModelSpec, plan: ParallelPlan) -> tuple[tuple[tuple[bool, ...], ...], ...]:
     """Like :func:`stage_layers`, but each layer replaced by whether it is a MoE layer."""
+    return _stage_kinds(model, plan.pp, plan.vpp, plan.num_layers_in_first_pipeline_stage,
+                        plan.num_layers_in_last_pipeline_stage)
+
+
+@functools.cache
+def _stage_kinds(model: ModelSpec, pp: int, vpp: int | None, first: int | None,
+                 last: int | None) -> tuple[tuple[tuple[bool, ...], ...], ...]:
     pattern = model.moe_layer_pattern
-    return tuple(tuple(tuple(pattern[i] for i in chunk) for chunk in rank) for rank in stage_layers(model, plan))
+    return tuple(tuple(tuple(pattern[i] for i in chunk) for chunk in rank)
+                 for rank in _stage_layers(model, pp, vpp, first, last))

@@ -25,6 +25,7 @@ from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.timing import comm
 from piper_core.timing.compute import BYTES, gemm_time, stream_time
+from piper_core.timing.compute import LayerShape
 from piper_core.timing.layer import LayerCost, layer_cost, shape_of
 from piper_core.timing.topology import Group, dense_groups, expert_groups, slowest_link
 
@@ -64,11 +65,10 @@ class StepTime:
                 "bubble": self.bubble, "optimizer": self.optimizer}
 
 
-def _layer(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, moe: bool, full: bool) -> LayerCost:
+def _layer(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, moe: bool, full: bool) -> LayerCost:
     """Cost of a dense or MoE layer; ``full`` marks a layer that full recompute repeats."""
-    shape = shape_of(plan)
-    if plan.recompute == "full":
-        shape = dataclasses.replace(shape, recompute="full" if full else "none")
+    if shape.recompute == "full" and not full:
+        shape = dataclasses.replace(shape, recompute="none")
     return layer_cost(model, shape, cluster, moe)
 
 
@@ -82,6 +82,7 @@ def _logits(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> float
 
 def _stage_times(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> tuple[tuple[StageTime, ...], float]:
     groups = dense_groups(plan)
+    shape = shape_of(plan)
     block = plan.recompute_num_layers if plan.recompute_method == "block" else None
     act = model.seq_length // plan.cp * plan.micro_batch_size * model.hidden_size * BYTES
     act //= plan.tp if plan.sequence_parallel else 1
@@ -93,7 +94,7 @@ def _stage_times(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
                         for chunk in chunks for j, moe in enumerate(chunk))
         compute = a2a = other = 0.0
         for (moe, full), count in kinds.items():
-            cost = _layer(model, plan, cluster, moe, full)
+            cost = _layer(model, shape, cluster, moe, full)
             compute += count * (cost.compute_fwd + cost.compute_bwd)
             a2a += count * (cost.a2a_fwd + cost.a2a_bwd)
             other += count * (cost.comm_fwd + cost.comm_bwd)

@@ -9,6 +9,7 @@ first one whose domain holds it whole.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -42,6 +43,7 @@ def members_per_domain(group: Group, domain_gpus: int | None) -> int:
     return min(group.size, max(1, domain_gpus // group.stride))
 
 
+@functools.lru_cache(maxsize=8192)
 def level_shares(group: Group, cluster: ClusterSpec) -> tuple[LevelShare, ...]:
     """Peers per link level for one rank of ``group`` (levels with no peers are left out)."""
     out, inside = [], 1

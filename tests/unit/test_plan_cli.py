@@ -1,0 +1,57 @@
+"""``piper plan``: table, JSON contract, rejection counts, no-fit message, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from piper_core.cli.main import main
+
+
+def test_plan_json_contract(capsys):
+    assert main(["plan", "tiny-moe", "--cluster", "cpu-local", "--gpus", "4", "--gbs", "16", "--top", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["candidates"] == out["feasible"] + sum(out["rejected"].values())
+    assert 1 <= len(out["plans"]) <= 3
+    steps = [p["time_s"]["step"] for p in out["plans"]]
+    assert steps == sorted(steps)
+    for p in out["plans"]:
+        assert p["feasible"] and 0 < p["mfu"] < 1 and p["gpus"] == 4
+        assert p["plan"]["global_batch_size"] == 16
+    assert out["search"]["plans_per_s"] > 0
+
+
+def test_plan_table_names_best_and_why(capsys):
+    assert main(["plan", "mixtral-8x7b", "--cluster", "dgx-h100", "--gpus", "16", "--gbs", "128", "--top", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "plans/s" in text and "rejected:" in text and "best:" in text and "why:" in text
+    assert "bottleneck:" in text
+
+
+def test_no_fit_exits_1_with_lower_bound(capsys):
+    assert main(["plan", "switch-1t", "--cluster", "frontier", "--gpus", "64"]) == 1
+    text = capsys.readouterr().out
+    assert "0 feasible" in text and "exceeds memory" in text
+    assert "needs at least" in text
+
+
+def test_memory_headroom_tightens(capsys):
+    args = ["plan", "mixtral-8x7b", "--cluster", "dgx-h100", "--gpus", "32", "--gbs", "128", "--json"]
+    assert main(args) == 0
+    loose = json.loads(capsys.readouterr().out)
+    assert main(args + ["--memory-headroom", "0.2"]) == 0
+    tight = json.loads(capsys.readouterr().out)
+    assert tight["feasible"] < loose["feasible"]
+    assert all(p["memory_gib"]["peak"] <= 0.8 * p["memory_gib"]["capacity"] + 1e-3 for p in tight["plans"])
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--memory-headroom", "1.5"], r"--memory-headroom=1.5: must be in \[0, 1\)"),
+    (["--gpus", "0"], r"--gpus=0: must be a positive number"),
+])
+def test_bad_input(capsys, extra, message):
+    import re
+    argv = ["plan", "tiny-moe", "--cluster", "cpu-local", "--gpus", "4"] + extra
+    assert main(argv) == 2
+    assert re.search(message, capsys.readouterr().err)
