@@ -114,21 +114,26 @@ def _overlapped(t: float, window: float, params: int) -> float:
 
 
 def _data_parallel(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, stages: tuple[StageTime, ...]) -> float:
-    """Exposed gradient reduction + parameter gathering, worst pipeline rank."""
+    """Exposed gradient reduction + parameter gathering, worst pipeline rank.
+
+    Dense (over dp x cp) and expert (over edp) collectives run one after the other on the same
+    stream and share one window: the backward (2/3 of the compute) for gradients, the forward for
+    parameters.
+    """
     dense_g, expert_g = dense_groups(plan)["dp"], expert_groups(plan)["edp"]
     grad_bytes = 4 if plan.precision == "bf16" else 2
     worst = 0.0
     for params, st in zip(stage_params(model, plan), stages):
-        window_b, window_f = 2 / 3 * st.compute / 1, 1 / 3 * st.compute
-        total = 0.0
-        for group, n in ((dense_g, params.dense), (expert_g, params.expert)):
-            if plan.distributed_optimizer:
-                rs = comm.ring(group, n * grad_bytes, cluster)
-                ag = comm.ring(group, n * BYTES, cluster)
-                total += _overlapped(rs, window_b, n) + _overlapped(ag, window_f, n)
-            else:
-                total += _overlapped(comm.ring(group, n * grad_bytes, cluster, passes=2), window_b, n)
-        worst = max(worst, total)
+        pairs = ((dense_g, params.dense), (expert_g, params.expert))
+        if plan.distributed_optimizer:
+            grads = sum(comm.ring(g, n * grad_bytes, cluster) for g, n in pairs)
+            gather = sum(comm.ring(g, n * BYTES, cluster) for g, n in pairs)
+        else:
+            grads = sum(comm.ring(g, n * grad_bytes, cluster, passes=2) for g, n in pairs)
+            gather = 0.0
+        exposed = (_overlapped(grads, 2 / 3 * st.compute, params.total)
+                   + _overlapped(gather, 1 / 3 * st.compute, params.total))
+        worst = max(worst, exposed)
     return worst
 
 
