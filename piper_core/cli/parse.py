@@ -14,13 +14,15 @@ KEYS: dict[str, str] = {
     "sp": "sequence_parallel", "mbs": "micro_batch_size", "gbs": "global_batch_size",
     "recompute": "recompute", "recompute_method": "recompute_method",
     "recompute_layers": "recompute_num_layers", "dist_opt": "distributed_optimizer",
+    "grad_bf16": "grad_reduce_in_bf16", "offload": "optimizer_offload_fraction",
     "precision": "precision", "attention": "attention_backend", "a2a": "a2a", "chunks": "a2a_chunks",
     "first_stage_layers": "num_layers_in_first_pipeline_stage",
     "last_stage_layers": "num_layers_in_last_pipeline_stage",
 }
 _INTS = {"tp", "pp", "vpp", "ep", "etp", "cp", "mbs", "gbs", "recompute_layers", "chunks",
          "first_stage_layers", "last_stage_layers"}
-_BOOLS = {"sp", "dist_opt"}
+_BOOLS = {"sp", "dist_opt", "grad_bf16"}
+_FLOATS = {"offload"}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
@@ -30,6 +32,11 @@ def _value(key: str, raw: str) -> Any:
             return int(raw)
         except ValueError:
             raise SpecError(f"--parallel {key}", raw, "must be an integer", f"write {key}=<n>") from None
+    if key in _FLOATS:
+        try:
+            return float(raw)
+        except ValueError:
+            raise SpecError(f"--parallel {key}", raw, "must be a number", f"write {key}=0.5") from None
     if key in _BOOLS:
         if raw.lower() in _TRUE | _FALSE:
             return raw.lower() in _TRUE

@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(model.name, cluster.name, args.gpus, gbs, result, best))
         if not best:
-            print(f"{model.name} needs at least {min_gpus(model, cluster):,} GPUs of {cluster.name} for its weights, "
-                  "gradients and Adam state alone (18 bytes per parameter, fully sharded)")
+            n, what = min_gpus(model, cluster)
+            print(f"{model.name} needs at least {n:,} GPUs of {cluster.name} for {what} alone")
     return 0 if best else 1
 
 
@@ -81,12 +81,14 @@ def _exports(args, model, cluster, best: Prediction, result: SearchResult) -> No
         write_plots(Path(args.plot), best, result)
 
 
-def min_gpus(model: ModelSpec, cluster) -> int:
-    """Lower bound on GPUs for weights, gradients and Adam state alone (bf16, fully sharded:
-    2 + 4 + 12 bytes per parameter over all GPUs), before any activation or overhead."""
-    need = total_params(model) * 18
+def min_gpus(model: ModelSpec, cluster) -> tuple[int, str]:
+    """Lower bound on GPUs for the model state alone, before activations: bf16 weights and
+    gradients (4 bytes per parameter) when the optimizer can be offloaded to the host, else
+    weights, fp32 gradients and Adam state (18 bytes), fully sharded over all GPUs."""
+    per_param, what = (4, "bf16 weights and gradients with the optimizer on the host") \
+        if cluster.host_memory_gib_per_node > 0 else (18, "weights, gradients and Adam state")
     usable = (cluster.capacity_gib - cluster.memory_overhead_gib) * GIB
-    return -(-need // int(usable))
+    return -(-total_params(model) * per_param // int(usable)), f"{what} ({per_param} bytes per parameter)"
 
 
 def plan_json(result: SearchResult, best: list[Prediction], gbs: int) -> dict:
@@ -101,8 +103,10 @@ def describe(plan) -> str:
     a2a = plan.a2a + (f"/{plan.a2a_chunks}" if plan.a2a == "pipelined" else "")
     rc = {"none": "norc", "selective": "sel", "full": f"full{plan.recompute_num_layers}"}[plan.recompute]
     last = f" last{plan.num_layers_in_last_pipeline_stage}" if plan.num_layers_in_last_pipeline_stage else ""
+    savers = (" gbf16" if plan.grad_reduce_in_bf16 else "") + (
+        f" off{plan.optimizer_offload_fraction:g}" if plan.optimizer_offload_fraction else "")
     return (f"tp{plan.tp} pp{plan.pp}{last} vpp{plan.vpp or 1} cp{plan.cp} ep{plan.ep} etp{plan.etp_size} "
-            f"mbs{plan.micro_batch_size} {rc} {'dopt' if plan.distributed_optimizer else 'nodopt'} {a2a}")
+            f"mbs{plan.micro_batch_size} {rc} {'dopt' if plan.distributed_optimizer else 'nodopt'}{savers} {a2a}")
 
 
 def render(model: str, cluster: str, gpus: int, gbs: int, result: SearchResult, best: list[Prediction]) -> str:
@@ -114,11 +118,11 @@ def render(model: str, cluster: str, gpus: int, gbs: int, result: SearchResult, 
     if not best:
         lines.append("no plan fits: add GPUs, lower --gbs or --seq, or relax --memory-headroom")
         return "\n".join(lines)
-    head = f"{'#':>2}  {'plan':<58} {'MFU':>6} {'step s':>8} {'peak/cap GiB':>14} {'a2a exp':>8} {'bubble':>7}"
+    head = f"{'#':>2}  {'plan':<68} {'MFU':>6} {'step s':>8} {'peak/cap GiB':>14} {'a2a exp':>8} {'bubble':>7}"
     lines += ["", head]
     for i, p in enumerate(best, 1):
         b = p.time.breakdown()
-        lines.append(f"{i:>2}  {describe(p.plan):<58} {100 * p.rate.mfu:5.1f}% {p.time.step:8.3f} "
+        lines.append(f"{i:>2}  {describe(p.plan):<68} {100 * p.rate.mfu:5.1f}% {p.time.step:8.3f} "
                      f"{p.peak_stage.total / GIB:6.1f}/{p.capacity_bytes / GIB:<6.1f} "
                      f"{100 * b['exposed_a2a'] / p.time.step:7.1f}% {100 * b['bubble'] / p.time.step:6.1f}%")
     top = best[0]
@@ -139,5 +143,6 @@ def why(top: Prediction, best: list[Prediction]) -> str:
     gain = 100 * (second.time.step / top.time.step - 1)
     diffs = [f"{k}={getattr(top.plan, k)} vs {getattr(second.plan, k)}"
              for k in ("tp", "pp", "vpp", "cp", "ep", "etp_size", "micro_batch_size", "recompute",
-                       "distributed_optimizer", "a2a", "a2a_chunks") if getattr(top.plan, k) != getattr(second.plan, k)]
+                       "distributed_optimizer", "grad_reduce_in_bf16", "optimizer_offload_fraction", "a2a",
+                       "a2a_chunks") if getattr(top.plan, k) != getattr(second.plan, k)]
     return f"{gain:.1f}% faster than the runner-up ({', '.join(diffs) or 'same sizes'})"

@@ -12,7 +12,8 @@ from piper_core.resource.predict import Prediction, predict, to_json
 
 HELP_PARALLEL = ("comma-separated key=value: tp, pp, vpp, ep, etp, cp, sp (0/1), mbs, gbs, "
                  "recompute (none|selective|full), recompute_method (uniform|block), recompute_layers, "
-                 "dist_opt (0/1), precision (bf16|fp16), attention (flash|unfused), a2a "
+                 "dist_opt (0/1), grad_bf16 (0/1), offload (optimizer offload fraction 0..1), precision (bf16|fp16), "
+                 "attention (flash|unfused), a2a "
                  "(flat|hierarchical|pipelined), chunks, first_stage_layers, last_stage_layers")
 
 

@@ -5,7 +5,9 @@ Sources:
 * Bytes per parameter: Megatron-Core distributed-optimizer guide (docs ``dist_optimizer.md``):
   bf16 params with fp32 gradients 2 + 4 + 12/d; fp16 params and gradients 2 + 2 + 16/d (fp32 main
   params and gradients, Adam m and v). Megatron sets fp32 gradient accumulation for bf16
-  (``validate_args``). The router weight is fp32 (TopKRouter): 4 + 4 + 8/d.
+  (``validate_args``) unless ``--grad-reduce-in-bf16`` (2 bytes). The router weight is fp32
+  (TopKRouter): 4 + 4 + 8/d. ``--optimizer-cpu-offload`` moves a fraction of the optimizer
+  state to the host (16 bytes per parameter there: fp32 master, m, v and a gradient copy).
 * Sharding: dense state over dp*cp, expert state over expert-dp (``DistributedOptimizer`` with the
   expert-data-parallel group).
 * In-flight micro-batches: 1F1B keeps ``pp - rank`` micro-batches on rank ``rank``; the interleaved
@@ -45,16 +47,23 @@ class StageMemory:
     activations: int
     buffers: int
     overhead: int
+    host: int = 0  # offloaded optimizer state on the host (not part of ``total``)
 
     @property
     def total(self) -> int:
         return self.weights + self.gradients + self.optimizer + self.activations + self.buffers + self.overhead
 
 
-def _state_bytes(params: ParamCount, plan: ParallelPlan) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer) bytes for ``params`` held on one GPU."""
+def _state_bytes(params: ParamCount, plan: ParallelPlan) -> tuple[int, int, int, int]:
+    """(weights, gradients, optimizer on the GPU, optimizer on the host) bytes for ``params``.
+
+    An offloaded share keeps fp32 master weights, Adam m and v (12 bytes) and a pinned fp32
+    gradient copy (4 bytes) per parameter on the host (Megatron ``HybridDeviceOptimizer``).
+    """
     half = params.total - params.fp32
     grad_bytes, opt_bytes = (4, 12) if plan.precision == "bf16" else (2, 16)
+    if plan.grad_reduce_in_bf16:
+        grad_bytes = 2
     weights = 2 * half + 4 * params.fp32
     grads = grad_bytes * half + 4 * params.fp32
     dense_half, expert = params.dense - params.fp32, params.expert
@@ -62,8 +71,11 @@ def _state_bytes(params: ParamCount, plan: ParallelPlan) -> tuple[int, int, int]
         dense_shards, expert_shards = plan.dp * plan.cp, plan.edp
     else:
         dense_shards = expert_shards = 1
-    optimizer = (opt_bytes * dense_half + 8 * params.fp32) / dense_shards + opt_bytes * expert / expert_shards
-    return weights, grads, math.ceil(optimizer)
+    shard = dense_half / dense_shards + expert / expert_shards
+    optimizer = opt_bytes * shard + 8 * params.fp32 / dense_shards
+    offload = plan.optimizer_offload_fraction
+    host = 16 * shard * offload
+    return weights, grads, math.ceil(optimizer * (1 - offload)), math.ceil(host)
 
 
 def in_flight_chunks(plan: ParallelPlan, rank: int) -> int:
@@ -138,11 +150,11 @@ def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
     params = stage_params(model, plan)
     buffers = _buffers(model, plan)
     for rank, chunks in enumerate(stage_kinds(model, plan)):
-        weights, grads, optimizer = _state_bytes(params[rank], plan)
+        weights, grads, optimizer, host = _state_bytes(params[rank], plan)
         out.append(StageMemory(
             stage=rank, layers=sum(len(c) for c in chunks), params=params[rank], weights=weights,
             gradients=grads, optimizer=optimizer,
             activations=_stage_activations(model, plan, rank, chunks), buffers=buffers,
-            overhead=round(cluster.memory_overhead_gib * GIB),
+            overhead=round(cluster.memory_overhead_gib * GIB), host=host,
         ))
     return tuple(out)

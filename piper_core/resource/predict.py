@@ -38,8 +38,17 @@ class Prediction:
         return round(self.cluster.capacity_gib * GIB)
 
     @property
+    def host_bytes_per_node(self) -> int:
+        """Offloaded optimizer state on one node's host memory (the busiest stage's GPUs)."""
+        return max(s.host for s in self.stages) * self.cluster.gpus_per_node
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_bytes_per_node <= self.cluster.host_capacity_gib * GIB
+
+    @property
     def feasible(self) -> bool:
-        return self.peak_stage.total <= self.capacity_bytes
+        return self.peak_stage.total <= self.capacity_bytes and self.host_fits
 
     @property
     def headroom_bytes(self) -> int:
@@ -65,7 +74,7 @@ def stage_json(s: StageMemory) -> dict[str, Any]:
             "params": {"dense": s.params.dense, "expert": s.params.expert, "total": s.params.total},
             "weights": _gib(s.weights), "gradients": _gib(s.gradients), "optimizer": _gib(s.optimizer),
             "activations": _gib(s.activations), "buffers": _gib(s.buffers), "overhead": _gib(s.overhead),
-            "total": _gib(s.total)}
+            "total": _gib(s.total), "host_optimizer": _gib(s.host)}
 
 
 def to_json(p: Prediction) -> dict[str, Any]:
@@ -79,6 +88,8 @@ def to_json(p: Prediction) -> dict[str, Any]:
         "flops_per_step": {"model": p.flops.model, "hardware": p.flops.hardware, "tokens": p.flops.tokens},
         "memory_gib": {"peak": _gib(p.peak_stage.total), "peak_stage": p.peak_stage.stage,
                        "capacity": _gib(p.capacity_bytes), "headroom": _gib(p.headroom_bytes),
+                       "host_per_node": _gib(p.host_bytes_per_node),
+                       "host_capacity_per_node": round(p.cluster.host_capacity_gib, 4),
                        "stages": [stage_json(s) for s in p.stages]},
         "feasible": p.feasible,
         "time_s": {"step": p.time.step, "breakdown": p.time.breakdown(),

@@ -25,6 +25,7 @@ from piper_core.specs.parallel import ParallelPlan
 from piper_core.timing.step import step_time
 
 MEMORY = "exceeds memory"
+HOST_MEMORY = "offloaded optimizer exceeds host memory"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,9 +125,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, gpus: int, gbs: int, *, space
         except SpecError as exc:
             result.rejected[f"invalid {exc.key}"] += len(variants)
             continue
-        peak = max(s.total for s in stage_memory(model, base, cluster))
-        if peak > limit:
-            result.rejected[MEMORY] += len(variants)
+        base, peak, reason = _fit(model, cluster, base, space, limit)
+        if base is None:
+            result.rejected[reason] += len(variants)
             continue
         for algo, chunks in variants:
             plan = base if (algo, chunks) == ("flat", 1) else _with_a2a(base, algo, chunks)
@@ -139,10 +140,37 @@ def search(model: ModelSpec, cluster: ClusterSpec, gpus: int, gbs: int, *, space
     return result
 
 
-def _with_a2a(plan: ParallelPlan, algo: str, chunks: int) -> ParallelPlan:
+def _with(plan: ParallelPlan, **changes) -> ParallelPlan:
     fields = {f: getattr(plan, f) for f in plan.__slots__}
-    fields.update(a2a=algo, a2a_chunks=chunks)
+    fields.update(changes)
     return ParallelPlan(**fields)
+
+
+def _with_a2a(plan: ParallelPlan, algo: str, chunks: int) -> ParallelPlan:
+    return _with(plan, a2a=algo, a2a_chunks=chunks)
+
+
+def _fit(model: ModelSpec, cluster: ClusterSpec, plan: ParallelPlan, space: SearchSpace,
+         limit: float) -> tuple[ParallelPlan | None, int, str]:
+    """The plan with the first memory saver that fits GPU and host memory, or the last reason."""
+    host_limit = cluster.host_capacity_gib * GIB
+    reason = MEMORY
+    for bf16_grads, offload in space.memory_savers:
+        if offload > 0 and (not plan.distributed_optimizer or host_limit == 0):
+            continue
+        if bf16_grads and plan.precision != "bf16":
+            continue
+        candidate = plan if (bf16_grads, offload) == (False, 0.0) else _with(
+            plan, grad_reduce_in_bf16=bf16_grads, optimizer_offload_fraction=offload)
+        stages = stage_memory(model, candidate, cluster)
+        peak = max(s.total for s in stages)
+        if peak > limit:
+            continue
+        if max(s.host for s in stages) * cluster.gpus_per_node > host_limit:
+            reason = HOST_MEMORY
+            continue
+        return candidate, peak, ""
+    return None, 0, reason
 
 
 def best_predictions(model: ModelSpec, cluster: ClusterSpec, result: SearchResult, k: int) -> list[Prediction]:

@@ -17,7 +17,13 @@ A2A_CHOICES: tuple[tuple[str, int], ...] = (("flat", 1), ("hierarchical", 1), ("
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SearchSpace:
-    """Values tried per dimension (defaults: the full space of ``piper plan``)."""
+    """Values tried per dimension (defaults: the full space of ``piper plan``).
+
+    ``memory_savers`` are (grad_reduce_in_bf16, optimizer_offload_fraction) pairs tried in order for
+    each combination, the first that fits being kept: they only ever cost time, so a plan uses
+    one only when it does not fit without it (offload needs the distributed optimizer and host
+    memory in the cluster spec).
+    """
 
     tp: tuple[int, ...]
     pp: tuple[int, ...]
@@ -29,6 +35,7 @@ class SearchSpace:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     distributed_optimizer: tuple[bool, ...] = (True, False)
     a2a: tuple[tuple[str, int], ...] = A2A_CHOICES
+    memory_savers: tuple[tuple[bool, float], ...] = ((False, 0.0), (True, 0.0), (True, 1.0))
 
     @property
     def size(self) -> int:

@@ -68,7 +68,9 @@ class LinkLevel:
 class ClusterSpec:
     """A described cluster. ``memory_overhead_gib`` is per-GPU memory no model term accounts for
     (CUDA/NCCL context, communication buffers, allocator fragmentation); ``usable_memory_fraction``
-    is the share of HBM a job may plan to fill."""
+    is the share of HBM (and of host memory) a job may plan to fill. The host fields serve optimizer
+    offload: host memory per node (0: offload not possible), the GPU<->host link per GPU and the
+    host memory bandwidth a node's CPU optimizer streams through."""
 
     name: str
     accelerator: AcceleratorSpec
@@ -76,11 +78,17 @@ class ClusterSpec:
     links: tuple[LinkLevel, ...]
     memory_overhead_gib: float = 0.0
     usable_memory_fraction: float = 1.0
+    host_memory_gib_per_node: float = 0.0
+    host_link_gb_per_s: float = 25.0
+    host_memory_gb_per_s: float = 100.0
 
     def __post_init__(self) -> None:
         positive("gpus_per_node", self.gpus_per_node)
         non_negative("memory_overhead_gib", self.memory_overhead_gib)
         fraction("usable_memory_fraction", self.usable_memory_fraction)
+        non_negative("host_memory_gib_per_node", self.host_memory_gib_per_node)
+        positive("host_link_gb_per_s", self.host_link_gb_per_s)
+        positive("host_memory_gb_per_s", self.host_memory_gb_per_s)
         if not 1 <= len(self.links) <= 3:
             raise SpecError("links", len(self.links), "needs 1 to 3 link levels (intra-node, inter-node, "
                             "optionally a group level)", "list the levels from fastest to slowest")
@@ -96,6 +104,11 @@ class ClusterSpec:
             if outer % inner:
                 raise SpecError("links.domain_gpus", sizes, "each level's domain must be a multiple of the "
                                 "one inside it", "order levels fastest first with growing domains")
+
+    @property
+    def host_capacity_gib(self) -> float:
+        """Host memory per node a plan may fill with offloaded optimizer state."""
+        return self.host_memory_gib_per_node * self.usable_memory_fraction
 
     @property
     def capacity_gib(self) -> float:

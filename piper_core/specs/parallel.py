@@ -20,7 +20,13 @@ A2AAlgorithm = Literal["flat", "hierarchical", "pipelined"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelPlan:
-    """One parallel configuration. ``etp`` None means "same as tp" (Megatron's default)."""
+    """One parallel configuration. ``etp`` None means "same as tp" (Megatron's default).
+
+    Memory savers, as in Megatron-Core: ``grad_reduce_in_bf16`` keeps and reduces gradients in bf16
+    (``--grad-reduce-in-bf16``; default fp32 accumulation); ``optimizer_offload_fraction`` moves that
+    share of the optimizer state and step to the host (``--optimizer-cpu-offload``,
+    ``--optimizer-offload-fraction``).
+    """
 
     gpus: int
     tp: int = 1
@@ -36,6 +42,8 @@ class ParallelPlan:
     recompute_method: Literal["uniform", "block"] = "uniform"
     recompute_num_layers: int | None = None
     distributed_optimizer: bool = True
+    grad_reduce_in_bf16: bool = False
+    optimizer_offload_fraction: float = 0.0
     precision: Literal["bf16", "fp16"] = "bf16"
     attention_backend: Literal["flash", "unfused"] = "flash"
     a2a: A2AAlgorithm = "flat"
@@ -78,6 +86,15 @@ class ParallelPlan:
             raise SpecError("recompute_num_layers", self.recompute_num_layers,
                             f"applies only to recompute=full (got recompute={self.recompute})",
                             "remove recompute_num_layers or set recompute=full")
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise SpecError("optimizer_offload_fraction", self.optimizer_offload_fraction, "must be in [0, 1]",
+                            "use 0 (all on GPU) to 1 (all optimizer state on the host)")
+        if self.optimizer_offload_fraction > 0 and not self.distributed_optimizer:
+            raise SpecError("optimizer_offload_fraction", self.optimizer_offload_fraction, "Megatron's CPU "
+                            "optimizer offload runs inside the distributed optimizer", "set distributed_optimizer")
+        if self.grad_reduce_in_bf16 and self.precision != "bf16":
+            raise SpecError("grad_reduce_in_bf16", True, f"needs precision bf16 (got {self.precision})",
+                            "set precision=bf16 or grad_reduce_in_bf16=false")
         if self.a2a != "pipelined" and self.a2a_chunks != 1:
             raise SpecError("a2a_chunks", self.a2a_chunks, f"chunks apply only to a2a=pipelined (got a2a={self.a2a})",
                             "set a2a=pipelined or a2a_chunks=1")

@@ -121,7 +121,7 @@ def _data_parallel(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, s
     parameters.
     """
     dense_g, expert_g = dense_groups(plan)["dp"], expert_groups(plan)["edp"]
-    grad_bytes = 4 if plan.precision == "bf16" else 2
+    grad_bytes = 4 if plan.precision == "bf16" and not plan.grad_reduce_in_bf16 else 2
     worst = 0.0
     for params, st in zip(stage_params(model, plan), stages):
         pairs = ((dense_g, params.dense), (expert_g, params.expert))
@@ -138,10 +138,17 @@ def _data_parallel(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, s
 
 
 def _optimizer(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> float:
-    worst = 0.0
+    """Adam over this GPU's shard: on the GPU, streaming ``OPTIMIZER_BYTES`` per parameter through
+    HBM; the offloaded share moves fp32 gradients down and bf16 weights up the host link and is
+    stepped by the CPU, whose memory bandwidth all GPUs of a node share."""
+    worst, acc, f = 0.0, cluster.accelerator, plan.optimizer_offload_fraction
     for p in stage_params(model, plan):
         n = p.dense / (plan.dp * plan.cp) + p.expert / plan.edp if plan.distributed_optimizer else p.total
-        worst = max(worst, stream_time(cluster.accelerator, n * OPTIMIZER_BYTES))
+        t = stream_time(acc, (1 - f) * n * OPTIMIZER_BYTES)
+        if f > 0:
+            t += f * n * (4 + BYTES) / (cluster.host_link_gb_per_s * 1e9)
+            t += f * n * 28 * cluster.gpus_per_node / (cluster.host_memory_gb_per_s * 1e9)
+        worst = max(worst, t)
     return worst
 
 

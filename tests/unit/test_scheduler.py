@@ -27,7 +27,7 @@ def valid(model, **kw) -> ParallelPlan:
 
 SMALL = SearchSpace(tp=(1, 2, 4), pp=(1, 2, 4), vpp=(1, 2), cp=(1, 2), ep=(1, 2, 4, 8), mbs=(1, 2),
                     recompute=("none", "selective", "full"), distributed_optimizer=(True, False),
-                    a2a=(("flat", 1), ("hierarchical", 1), ("pipelined", 4)))
+                    a2a=(("flat", 1), ("hierarchical", 1), ("pipelined", 4)), memory_savers=((False, 0.0),))
 
 
 def brute_force(model, cluster, gpus, gbs, space):
