@@ -10,12 +10,13 @@ from piper_core.errors import SpecError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from piper_core.cli import plan, predict
+    from piper_core.cli import capacity, plan, predict
 
     parser = argparse.ArgumentParser(prog="piper", description="Resource model and planner for MoE training.")
     sub = parser.add_subparsers(dest="command", required=True)
     predict.add_parser(sub)
     plan.add_parser(sub)
+    capacity.add_parser(sub)
     return parser
 
 
