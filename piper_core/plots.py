@@ -3,16 +3,15 @@ pipeline stage, and throughput against memory for every feasible plan (Pareto fr
 
 matplotlib is imported only inside the drawing functions (planning never pays for it) and used
 through ``matplotlib.figure.Figure`` with the Agg canvas, so no pyplot state or GUI backend is
-touched. The 1F1B simulation (:func:`simulate_1f1b`) is plain Python and usable without matplotlib.
+touched. The 1F1B simulation lives in :mod:`piper_core.timing.schedule`.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from piper_core.errors import SpecError
 from piper_core.export import plan_label
@@ -20,7 +19,7 @@ from piper_core.resource.memory import GIB
 from piper_core.resource.predict import Prediction
 from piper_core.scheduler.search import SearchResult
 from piper_core.specs.compat import stage_layers
-from piper_core.timing.step import StageTime, StepTime
+from piper_core.timing.schedule import makespan, pass_parts, simulate_1f1b
 
 MAX_DRAWN_MICROBATCHES = 16
 MAX_SCATTER_POINTS = 20_000
@@ -29,89 +28,6 @@ COLOURS = {"compute F": "#7fb3e6", "compute B": "#1f5fa8", "exposed all-to-all":
            "other communication": "#a0a0a0", "data-parallel sync": "#8e5bb5", "optimizer": "#4caf50",
            "weights": "#1f5fa8", "gradients": "#7fb3e6", "optimizer state": "#4caf50", "activations": "#e8743b",
            "buffers": "#f2c14e", "overhead": "#a0a0a0"}
-
-
-# ---- schedule ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Op:
-    """One forward or backward pass of one micro-batch on one pipeline stage (seconds)."""
-
-    stage: int
-    micro: int
-    kind: Literal["F", "B"]
-    start: float
-    end: float
-
-
-def one_f_one_b_order(stages: int, stage: int, microbatches: int) -> list[tuple[str, int]]:
-    """Megatron's non-interleaved 1F1B order on ``stage``: ``stages - stage - 1`` warm-up forwards,
-    then one forward and one backward in turn, then the remaining backwards
-    (``forward_backward_pipelining_without_interleaving``)."""
-    warmup = min(stages - stage - 1, microbatches)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(microbatches - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    return order + [("B", i) for i in range(microbatches - warmup, microbatches)]
-
-
-def simulate_1f1b(fwd: Sequence[float], bwd: Sequence[float], microbatches: int) -> list[list[Op]]:
-    """Start and end of every pass, per stage, from dependencies alone: F of micro-batch i on stage
-    p waits for F of i on p-1, B of i on p for B of i on p+1, and every pass for the previous pass
-    of its own stage. Point-to-point sends are asynchronous and their time is inside the passes."""
-    n = len(fwd)
-    orders = [one_f_one_b_order(n, p, microbatches) for p in range(n)]
-    done: dict[tuple[str, int, int], float] = {}
-    ops: list[list[Op]] = [[] for _ in range(n)]
-    free, nxt = [0.0] * n, [0] * n
-    remaining = sum(len(o) for o in orders)
-    while remaining:
-        progressed = False
-        for p in range(n):
-            while nxt[p] < len(orders[p]):
-                kind, i = orders[p][nxt[p]]
-                dep = (kind, i, p - 1) if kind == "F" else (kind, i, p + 1)
-                ready = done.get(dep) if 0 <= dep[2] < n else 0.0
-                if ready is None:
-                    break
-                start = max(free[p], ready)
-                free[p] = done[(kind, i, p)] = start + (fwd[p] if kind == "F" else bwd[p])
-                ops[p].append(Op(stage=p, micro=i, kind=kind, start=start, end=free[p]))
-                nxt[p] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise RuntimeError("1F1B schedule deadlocked")  # cannot happen for the order above
-    return ops
-
-
-def pass_parts(st: StageTime) -> tuple[dict[str, float], dict[str, float]]:
-    """Forward and backward pass of one micro-batch on one stage, split by kind (seconds).
-
-    StageTime keeps per-micro-batch totals only: compute goes 1/3 forward, 2/3 backward (two
-    GEMMs per forward GEMM; Narayanan et al., arXiv 2104.04473, Appendix), communication half and
-    half (the backward sends the transposes of the forward's messages; p2p: activation forward,
-    gradient backward).
-    """
-    other = st.comm + st.p2p
-    fwd = {"compute F": st.compute / 3, "exposed all-to-all": st.a2a / 2, "other communication": other / 2}
-    bwd = {"compute B": 2 * st.compute / 3, "exposed all-to-all": st.a2a / 2, "other communication": other / 2}
-    return fwd, bwd
-
-
-def pipeline_seconds(t: StepTime, microbatches: int) -> float:
-    """The pipeline part of the step model: ``m T_slowest + bubble`` (step less DP sync and optimizer)."""
-    return microbatches * t.stages[t.slowest_stage].total + t.bubble
-
-
-def data_parallel_seconds(t: StepTime, microbatches: int) -> float:
-    """Exposed data-parallel sync of the step model (the part of ``other_comm`` outside the pipeline)."""
-    slow = t.stages[t.slowest_stage]
-    return t.other_comm - microbatches * (slow.comm + slow.p2p)
-
-
-def makespan(ops: list[list[Op]]) -> float:
-    return max(op.end for stage in ops for op in stage)
 
 
 # ---- drawing ----------------------------------------------------------------------------------
@@ -137,7 +53,7 @@ def plot_timeline(path: Path, p: Prediction) -> Path:
     parts = [pass_parts(st) for st in t.stages]
     ops = simulate_1f1b([sum(f.values()) for f, _ in parts], [sum(b.values()) for _, b in parts], drawn)
     end = makespan(ops)
-    tail = {"data-parallel sync": data_parallel_seconds(t, m), "optimizer": t.optimizer}
+    tail = {"data-parallel sync": t.data_parallel, "optimizer": t.optimizer}
     min_label = 0.018 * (end + sum(tail.values()))  # narrower passes go unlabelled
     fig = _figure(12, 3.2 + 0.42 * plan.pp)
     ax = fig.subplots()
@@ -161,7 +77,7 @@ def plot_timeline(path: Path, p: Prediction) -> Path:
     if plan.virtual_stages > 1:
         notes.append(f"vpp={plan.vpp} drawn as the non-interleaved schedule (the model divides fill/drain by vpp)")
     fig.suptitle(f"One training step: {_subtitle(p)}\n" + "; ".join(notes) +
-                 f"\npredicted step {t.step:.4g} s (pipeline {pipeline_seconds(t, m):.4g} s, "
+                 f"\npredicted step {t.step:.4g} s (pipeline {t.pipeline:.4g} s, "
                  f"DP sync {tail['data-parallel sync']:.3g} s, optimizer {t.optimizer:.3g} s)", fontsize=9)
     layers = [sum(len(c) for c in rank) for rank in stage_layers(p.model, plan)]
     ax.set_yticks(range(plan.pp), [f"stage {s} ({n} layer{'s' * (n != 1)})" for s, n in enumerate(layers)],

@@ -144,6 +144,19 @@ def _buffers(model: ModelSpec, plan: ParallelPlan) -> int:
     return max(gathered, a2a)
 
 
+def with_state_of(stages: tuple[StageMemory, ...], plan: ParallelPlan) -> tuple[StageMemory, ...]:
+    """``stages`` with weights, gradients and optimizer state recomputed for ``plan``.
+
+    For plans that differ only in how state is kept (bf16 gradients, optimizer offload): the
+    activations and buffers do not change, so the search re-prices only the state.
+    """
+    out = []
+    for s in stages:
+        weights, grads, optimizer, host = _state_bytes(s.params, plan)
+        out.append(dataclasses.replace(s, weights=weights, gradients=grads, optimizer=optimizer, host=host))
+    return tuple(out)
+
+
 def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> tuple[StageMemory, ...]:
     """Per pipeline rank: every memory term in bytes for one GPU."""
     out = []

@@ -52,3 +52,13 @@ def literals(spec: object) -> None:
             guess = nearest(str(value), [str(a) for a in allowed])
             hint = f"did you mean '{guess}'? " if guess else ""
             raise SpecError(name, value, f"must be one of {list(allowed)}", f"{hint}use one of {list(allowed)}")
+
+
+@functools.cache
+def _compared_fields(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.compare)
+
+
+def freeze_hash(spec: object) -> None:
+    """Store the hash of a frozen spec's compared fields once (specs key many caches)."""
+    object.__setattr__(spec, "_hash", hash(tuple(getattr(spec, n) for n in _compared_fields(type(spec)))))

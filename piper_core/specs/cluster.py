@@ -7,11 +7,11 @@ level says how many GPUs share that domain (``domain_gpus``), the outermost cove
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from piper_core.errors import SpecError
-from piper_core.specs._check import fraction, non_negative, positive
+from piper_core.specs._check import freeze_hash, fraction, non_negative, positive
 
 Precision = Literal["bf16", "fp16", "fp32"]
 
@@ -82,7 +82,13 @@ class ClusterSpec:
     host_link_gb_per_s: float = 25.0
     host_memory_gb_per_s: float = 100.0
 
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:  # specs key many caches; hash the fields once
+        return self._hash
+
     def __post_init__(self) -> None:
+        freeze_hash(self)
         positive("gpus_per_node", self.gpus_per_node)
         non_negative("memory_overhead_gib", self.memory_overhead_gib)
         fraction("usable_memory_fraction", self.usable_memory_fraction)

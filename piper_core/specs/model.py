@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from piper_core.errors import SpecError
-from piper_core.specs._check import literals, non_negative, positive
+from piper_core.specs._check import freeze_hash, literals, non_negative, positive
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,7 +74,13 @@ class ModelSpec:
     hidden_dropout: float = 0.0
     mla: MLASpec | None = None
 
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:  # specs key many caches; hash the fields once
+        return self._hash
+
     def __post_init__(self) -> None:
+        freeze_hash(self)
         literals(self)
         for key in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                     "vocab_size", "seq_length", "make_vocab_size_divisible_by", "moe_layer_freq",

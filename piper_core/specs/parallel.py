@@ -8,11 +8,11 @@ Rules and messages here are the plan-only ones; rules that need the model live i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from piper_core.errors import SpecError
-from piper_core.specs._check import literals, divides, positive
+from piper_core.specs._check import freeze_hash, literals, divides, positive
 
 Recompute = Literal["none", "selective", "full"]
 A2AAlgorithm = Literal["flat", "hierarchical", "pipelined"]
@@ -51,7 +51,13 @@ class ParallelPlan:
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
 
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __hash__(self) -> int:  # specs key many caches; hash the fields once
+        return self._hash
+
     def __post_init__(self) -> None:
+        freeze_hash(self)
         literals(self)
         for key in ("gpus", "tp", "pp", "ep", "cp", "micro_batch_size", "global_batch_size", "a2a_chunks"):
             positive(key, getattr(self, key))

@@ -1,11 +1,12 @@
 """Step time: stage times through the pipeline schedule, plus data-parallel reduction and the
 optimizer step; MFU, throughput, a breakdown that sums to the step, and the bottleneck.
 
-Schedule (1F1B; Narayanan et al., arXiv 2104.04473, Sec. 2.2): with ``m`` micro-batches and
-per-micro-batch stage times ``T_p`` (forward + backward + p2p), the step takes
-``(m - 1) max_p T_p + sum_p T_p`` -- every micro-batch passes the slowest stage, and the first and
-last pass every stage (X-MoE's planner uses the same form). Interleaving over ``vpp`` chunks
-divides the fill/drain part by ``vpp`` and sends ``vpp`` times as many p2p messages.
+Schedule: with ``m`` micro-batches and per-micro-batch stage times ``T_p`` (forward + backward +
+p2p), 1F1B is simulated pass by pass (:mod:`piper_core.timing.schedule`); its closed form
+``(m - 1) max_p T_p + sum_p T_p`` (Narayanan et al., arXiv 2104.04473, Sec. 2.2; X-MoE's planner)
+is exact when the last stage is the slowest and an upper bound otherwise, and serves the search's
+fast path. Interleaving over ``vpp`` chunks divides the fill/drain part by ``vpp`` (closed form) and
+sends ``vpp`` times as many p2p messages.
 Data-parallel gradient reduce-scatter (all-reduce without the distributed optimizer) overlaps the
 last micro-batch's backward and parameter all-gather the first forward, except one bucket each
 (Megatron ``overlap_grad_reduce`` / ``overlap_param_gather``, 40M-parameter buckets).
@@ -27,6 +28,7 @@ from piper_core.timing import comm
 from piper_core.timing.compute import BYTES, gemm_time, stream_time
 from piper_core.timing.compute import LayerShape
 from piper_core.timing.layer import LayerCost, layer_cost, shape_of
+from piper_core.timing.schedule import pipeline_time
 from piper_core.timing.topology import Group, dense_groups, expert_groups, slowest_link
 
 BUCKET_PARAMS = 40_000_000
@@ -56,6 +58,8 @@ class StepTime:
     other_comm: float
     bubble: float
     optimizer: float
+    pipeline: float  # first forward to last backward (compute + a2a + comm + p2p of all stages, bubble)
+    data_parallel: float  # exposed gradient / parameter collectives after the pipeline
     stages: tuple[StageTime, ...]
     slowest_stage: int
     a2a_one_way: float  # one unpipelined dispatch (or combine) of one MoE layer, for reports
@@ -152,17 +156,20 @@ def _optimizer(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> fl
     return worst
 
 
-def step_time(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> StepTime:
-    """Predicted time of one training step and its breakdown (seconds)."""
+def step_time(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, *, exact: bool = True) -> StepTime:
+    """Predicted time of one training step and its breakdown (seconds).
+
+    ``exact`` simulates the 1F1B schedule pass by pass; ``exact=False`` uses the closed form, an
+    upper bound that is exact when the last stage is the slowest (the search's fast path).
+    """
     stages, raw = _stage_times(model, plan, cluster)
     m, slow = plan.num_microbatches, max(stages, key=lambda s: s.total)
-    fill = sum(s.total for s in stages) - slow.total
-    pipeline = m * slow.total + fill / plan.virtual_stages
+    pipeline = pipeline_time(stages, m, plan.virtual_stages, exact=exact)
     dp = _data_parallel(model, plan, cluster, stages)
     opt = _optimizer(model, plan, cluster)
     return StepTime(step=pipeline + dp + opt, compute=m * slow.compute, exposed_a2a=m * slow.a2a,
                     other_comm=m * (slow.comm + slow.p2p) + dp, bubble=pipeline - m * slow.total, optimizer=opt,
-                    stages=stages, slowest_stage=slow.stage, a2a_one_way=raw)
+                    pipeline=pipeline, data_parallel=dp, stages=stages, slowest_stage=slow.stage, a2a_one_way=raw)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
