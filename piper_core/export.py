@@ -221,8 +221,8 @@ def deepspeed_config(p: Prediction) -> dict[str, Any]:
     reason = deepspeed_compatible(plan)
     if reason is not None:
         raise SpecError("plan", plan_label(plan), f"cannot be expressed in DeepSpeed ({reason})",
-                        "ask the scheduler for a DeepSpeed-compatible plan with `piper plan ... --framework "
-                        "deepspeed`, or export this one for Megatron-LM with --export-megatron")
+                        "`piper plan ... --export-deepspeed FILE` writes the best DeepSpeed-compatible plan; "
+                        "export this one for Megatron-LM with --export-megatron")
     zero: dict[str, Any] = {"stage": 1 if plan.distributed_optimizer else 0}
     if plan.optimizer_offload_fraction == 1:
         zero["offload_optimizer"] = {"device": "cpu"}

@@ -12,7 +12,7 @@ from piper_core.errors import SpecError
 from piper_core.presets import load_cluster, load_model
 from piper_core.resource.memory import GIB
 from piper_core.resource.params import total_params
-from piper_core.resource.predict import Prediction, to_json
+from piper_core.resource.predict import Prediction, predict, to_json
 from piper_core.scheduler.search import SearchResult, best_predictions, search
 from piper_core.specs.model import ModelSpec
 
@@ -70,12 +70,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _exports(args, model, cluster, best: Prediction, result: SearchResult) -> None:
+    from piper_core.export import deepspeed_compatible
+
     if args.export_megatron:
         from piper_core.export import megatron_args
         Path(args.export_megatron).write_text(megatron_args(best))
     if args.export_deepspeed:
         from piper_core.export import deepspeed_config
-        Path(args.export_deepspeed).write_text(json.dumps(deepspeed_config(best), indent=2) + "\n")
+        ds = best_for_deepspeed(model, cluster, result)
+        if ds is None:
+            raise SpecError("--export-deepspeed", args.export_deepspeed, "no feasible plan can run on DeepSpeed-MoE "
+                            "(no tp, etp, cp, vpp or uneven split there)", "add GPUs or export for Megatron only")
+        Path(args.export_deepspeed).write_text(json.dumps(deepspeed_config(ds), indent=2) + "\n")
+        if ds.plan != best.plan:
+            print(f"DeepSpeed export: the best plan needs Megatron ({deepspeed_compatible(best.plan)}); wrote the "
+                  f"best DeepSpeed-compatible plan instead: {describe(ds.plan)}, predicted MFU {100 * ds.rate.mfu:.1f}%")
     if args.plot:
         from piper_core.plots import write_plots
         write_plots(Path(args.plot), best, result)
@@ -89,6 +98,15 @@ def min_gpus(model: ModelSpec, cluster) -> tuple[int, str]:
         if cluster.host_memory_gib_per_node > 0 else (18, "weights, gradients and Adam state")
     usable = (cluster.capacity_gib - cluster.memory_overhead_gib) * GIB
     return -(-total_params(model) * per_param // int(usable)), f"{what} ({per_param} bytes per parameter)"
+
+
+def best_for_deepspeed(model: ModelSpec, cluster, result: SearchResult) -> Prediction | None:
+    """The fastest feasible plan DeepSpeed-MoE can run, fully predicted (None if there is none)."""
+    from piper_core.export import deepspeed_compatible
+    for scored in result.best(result.feasible):
+        if deepspeed_compatible(scored.plan) is None:
+            return predict(model, cluster, scored.plan)
+    return None
 
 
 def plan_json(result: SearchResult, best: list[Prediction], gbs: int) -> dict:

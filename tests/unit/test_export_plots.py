@@ -191,7 +191,7 @@ def test_deepspeed_config_savers():
 def test_deepspeed_refuses_what_it_cannot_express(changes, reason):
     plan = ParallelPlan(**{"gpus": 64, "pp": 4, "ep": 8, "global_batch_size": 512} | changes)
     assert deepspeed_compatible(plan) is not None
-    with pytest.raises(SpecError, match=r"cannot be expressed in DeepSpeed \(" + reason + r".*--framework deepspeed"):
+    with pytest.raises(SpecError, match=r"cannot be expressed in DeepSpeed \(" + reason + r".*--export-deepspeed FILE. writes the best DeepSpeed-compatible plan"):
         deepspeed_config(predict(MIXTRAL, H100, plan))
 
 

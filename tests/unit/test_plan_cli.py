@@ -55,3 +55,19 @@ def test_bad_input(capsys, extra, message):
     argv = ["plan", "tiny-moe", "--cluster", "cpu-local", "--gpus", "4"] + extra
     assert main(argv) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_exports_and_plots_for_the_1t_model_on_64_h100(tmp_path, capsys):
+    """The issue's example: both exports and the three PNGs; the DeepSpeed export takes the best
+    plan DeepSpeed-MoE can run when the overall best needs Megatron's tensor parallelism."""
+    mega, ds, plots = tmp_path / "m.sh", tmp_path / "d.json", tmp_path / "plots"
+    assert main(["plan", "switch-1t", "--cluster", "dgx-h100", "--gpus", "64", "--export-megatron", str(mega),
+                 "--export-deepspeed", str(ds), "--plot", str(plots)]) == 0
+    out = capsys.readouterr().out
+    assert "--tensor-model-parallel-size" in mega.read_text()
+    config = json.loads(ds.read_text())
+    plan = config["piper"]["plan"]
+    assert plan["tp"] == 1 and plan["cp"] == 1 and plan["etp"] == 1
+    if "DeepSpeed export: the best plan needs Megatron" in out:
+        assert "best:" in out
+    assert sorted(p.name for p in plots.iterdir()) == ["memory.png", "pareto.png", "timeline.png"]

@@ -1,0 +1,213 @@
+"""All-to-all exchanges with variable splits: flat, hierarchical and aggregated, sync and async.
+
+Semantics are those of ``all_to_all_single`` on dim 0: this rank's input holds ``counts[me][d]``
+rows for every member ``d`` (in ``d`` order); its output holds ``counts[s][me]`` rows from every
+``s`` (in ``s`` order). Trailing dims and dtype are free. Every algorithm returns the same rows in
+the same order (pure data movement, bit-identical); backward is the exchange with ``counts``
+transposed (Megatron ``tensor_parallel.mappings._AllToAll`` swaps the splits the same way).
+
+* :func:`plan_exchange` / :func:`flat_plan` -> :class:`ExchangePlan` (frozen; both directions).
+* :func:`exchange` (autograd) and :func:`all_to_all` / :func:`all_to_all_flat` (conveniences).
+* :func:`start_exchange` -> :class:`PendingExchange` (async, no autograd): ``advance()`` finishes
+  the current stage and posts the next one, ``wait()`` finishes all and returns the output. The
+  pipelined MoE layer (:mod:`piper_core.runtime.pipelined`) is built from these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from piper_core.errors import SpecError
+from piper_core.runtime import timeouts
+from piper_core.runtime.groups import A2AComm
+from piper_core.runtime.routes import Route, Scope, StagePlan, plan_route
+from piper_core.runtime.topology import Algorithm
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExchangePlan:
+    """This rank's part of one exchange, both directions; ``label`` names it in errors."""
+
+    comm: A2AComm
+    algorithm: Algorithm
+    label: str
+    forward: Route
+    backward: Route
+
+    def reversed(self, label: str) -> ExchangePlan:
+        """The exchange that sends everything back (``counts`` transposed)."""
+        return replace(self, label=label, forward=self.backward, backward=self.forward)
+
+
+def counts_matrix(counts: Sequence[Sequence[int]] | torch.Tensor, size: int) -> torch.Tensor:
+    """``counts`` as an int64 ``[W, W]`` CPU tensor, checked (``counts[s][d]`` = rows s sends d)."""
+    t = torch.as_tensor(counts).to("cpu")
+    if t.shape != (size, size) or t.is_floating_point() or t.is_complex():
+        raise SpecError("counts", tuple(t.shape), f"must be an integer [{size}, {size}] matrix "
+                        "(counts[s][d] = rows member s sends member d)",
+                        "all-gather every rank's input_splits (exchange_counts) and stack them")
+    if bool((t < 0).any()):
+        raise SpecError("counts", t.tolist(), "row counts must be >= 0", "fix the split sizes")
+    return t.long()
+
+
+def plan_exchange(counts: Sequence[Sequence[int]] | torch.Tensor, *, comm: A2AComm, algorithm: Algorithm,
+                  label: str = "all-to-all", device: torch.device | None = None) -> ExchangePlan:
+    """Plan an exchange of ``counts[s][d]`` rows (the same matrix on every rank); index tensors go
+    to ``device`` (where the data lives; default CPU). Pure computation, no communication."""
+    c = counts_matrix(counts, comm.size)
+    specs = comm.stages(algorithm)
+    return ExchangePlan(comm=comm, algorithm=algorithm, label=f"{algorithm.value} {label}",
+                        forward=plan_route(specs, comm.layout, c, comm.me, device=device),
+                        backward=plan_route(specs, comm.layout, c.t().contiguous(), comm.me, device=device))
+
+
+def flat_plan(input_splits: Sequence[int], output_splits: Sequence[int], *, comm: A2AComm,
+              label: str = "all-to-all") -> ExchangePlan:
+    """The flat exchange from this rank's splits alone (``all_to_all_single``'s arguments)."""
+    for key, splits in (("input_splits", input_splits), ("output_splits", output_splits)):
+        if len(splits) != comm.size or any(int(s) < 0 for s in splits):
+            raise SpecError(key, tuple(splits), f"needs {comm.size} non-negative row counts, one per member",
+                            "pass one count per rank of the group, in group-rank order")
+    spec = comm.stages(Algorithm.FLAT)[0]
+    members = tuple(range(comm.size))
+
+    def route(ins: Sequence[int], outs: Sequence[int]) -> Route:
+        stage = StagePlan(spec=spec, members=members, send_index=None, input_splits=tuple(map(int, ins)),
+                          output_splits=tuple(map(int, outs)))
+        return Route(stages=(stage,), final_index=None, rows_in=sum(stage.input_splits),
+                     rows_out=sum(stage.output_splits))
+
+    return ExchangePlan(comm=comm, algorithm=Algorithm.FLAT, label=f"flat {label}",
+                        forward=route(input_splits, output_splits), backward=route(output_splits, input_splits))
+
+
+class PendingExchange:
+    """One exchange in flight (lives for one call; not autograd-aware).
+
+    Stage ``k`` is posted asynchronously; :meth:`advance` waits for it and posts stage ``k + 1``
+    (so a multi-stage exchange can progress between two pieces of compute); :meth:`wait` runs the
+    remaining stages and returns the output ``[rows_out, ...]``.
+    """
+
+    def __init__(self, x: torch.Tensor, route: Route, comm: A2AComm, op: str):
+        if x.shape[0] != route.rows_in:
+            raise SpecError("x.shape[0]", x.shape[0], f"must equal the rows this rank sends in {op} "
+                            f"({route.rows_in})", "sort x by destination; counts[me] must sum to its rows")
+        self._route, self._comm, self._op = route, comm, op
+        self._stage = 0
+        self._buf: torch.Tensor | None = None
+        self._works: list[dist.Work] = []
+        self._keep: tuple[torch.Tensor, ...] = ()
+        self._post(x)
+
+    @property
+    def done(self) -> bool:
+        return self._stage >= len(self._route.stages)
+
+    def advance(self) -> None:
+        """If a stage other than the last is in flight, finish it and post the next."""
+        if self._stage < len(self._route.stages) - 1:
+            self._finish()
+            self._post(self._buf)
+
+    def wait(self) -> torch.Tensor:
+        """Finish every stage; the output, rows in source order."""
+        while True:
+            self._finish()
+            if self.done:
+                break
+            self._post(self._buf)
+        out = self._buf
+        self._buf = None
+        idx = self._route.final_index
+        return out if idx is None else out.index_select(0, idx)
+
+    def _what(self, stage: StagePlan) -> timeouts.OpName:
+        ranks = self._comm.layout.ranks
+        return timeouts.OpName(op=self._op, stage=f"stage {self._stage + 1}/{len(self._route.stages)} "
+                               f"({stage.spec.name})", ranks=tuple(ranks[m] for m in stage.members),
+                               rank=self._comm.global_rank)
+
+    def _post(self, buf: torch.Tensor) -> None:
+        stage = self._route.stages[self._stage]
+        if stage.send_index is not None:
+            buf = buf.index_select(0, stage.send_index)
+        buf = buf.contiguous()
+        if len(stage.members) == 1:  # a group of one: the data stays
+            self._buf, self._works, self._keep = buf, [], ()
+            return
+        out = buf.new_empty((sum(stage.output_splits), *buf.shape[1:]))
+        what = self._what(stage)
+        if stage.spec.p2p:
+            works = timeouts.launch(what, lambda: _post_p2p(out, buf, stage, self._comm))
+        else:
+            group = self._comm.group_for(stage.spec.scope)
+            works = [timeouts.launch(what, lambda: dist.all_to_all_single(
+                out, buf, list(stage.output_splits), list(stage.input_splits), group=group, async_op=True))]
+        self._buf, self._works, self._keep = out, works, (buf,)
+
+    def _finish(self) -> None:
+        stage = self._route.stages[self._stage]
+        timeout = self._comm.timeout if self._comm.host_timeout else None
+        for work in self._works:
+            timeouts.wait(work, self._what(stage), timeout)
+        self._works, self._keep = [], ()
+        self._stage += 1
+
+
+def _post_p2p(out: torch.Tensor, buf: torch.Tensor, stage: StagePlan, comm: A2AComm) -> list[dist.Work]:
+    """Point-to-point stage: one message per peer with rows (empty ones are not sent: both sides
+    know the counts); the rows that stay are copied locally."""
+    if stage.spec.scope is not Scope.ALL:
+        raise RuntimeError(f"p2p stage {stage.spec.name!r} must span the whole group")
+    ranks, works = comm.layout.ranks, []
+    sends = torch.split(buf, list(stage.input_splits))
+    recvs = torch.split(out, list(stage.output_splits))
+    for peer in stage.members:
+        if peer == comm.me:
+            recvs[peer].copy_(sends[peer])
+            continue
+        if recvs[peer].shape[0]:
+            works.append(dist.irecv(recvs[peer], src=ranks[peer], group=comm.group))
+        if sends[peer].shape[0]:
+            works.append(dist.isend(sends[peer].contiguous(), dst=ranks[peer], group=comm.group))
+    return works
+
+
+def start_exchange(x: torch.Tensor, plan: ExchangePlan, *, backward: bool = False) -> PendingExchange:
+    """Post ``plan`` (its backward direction if ``backward``) on ``x``; no autograd."""
+    route = plan.backward if backward else plan.forward
+    return PendingExchange(x, route, plan.comm, f"{plan.label} ({'backward' if backward else 'forward'})")
+
+
+class _Exchange(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, plan: ExchangePlan) -> torch.Tensor:  # type: ignore[override]
+        ctx.plan = plan
+        return start_exchange(x, plan).wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return start_exchange(grad.contiguous(), ctx.plan, backward=True).wait(), None
+
+
+def exchange(x: torch.Tensor, plan: ExchangePlan) -> torch.Tensor:
+    """Run ``plan`` on ``x`` ``[rows_in, ...]`` -> ``[rows_out, ...]``, differentiable."""
+    return _Exchange.apply(x, plan)
+
+
+def all_to_all(x: torch.Tensor, counts: Sequence[Sequence[int]] | torch.Tensor, *, comm: A2AComm,
+               algorithm: Algorithm, label: str = "all-to-all") -> torch.Tensor:
+    """``all_to_all_single`` by ``algorithm``, differentiable; ``counts[s][d]`` as in :func:`plan_exchange`."""
+    return exchange(x, plan_exchange(counts, comm=comm, algorithm=algorithm, label=label, device=x.device))
+
+
+def all_to_all_flat(x: torch.Tensor, *, input_splits: Sequence[int], output_splits: Sequence[int],
+                    comm: A2AComm, label: str = "all-to-all") -> torch.Tensor:
+    """Exactly ``all_to_all_single(out, x, output_splits, input_splits)``, differentiable."""
+    return exchange(x, flat_plan(input_splits, output_splits, comm=comm, label=label))

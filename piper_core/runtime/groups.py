@@ -1,0 +1,110 @@
+"""Process groups of the runtime all-to-all, created once, explicitly and collectively.
+
+:func:`create_comm` is a collective over the *whole job*: ``torch.distributed.new_group`` must be
+entered by every process of the default group, for every sub-group, in the same order. So every
+rank calls ``create_comm`` with identical arguments (the same topology and the same list of parent
+groups), at the same point of its program, after ``init_process_group``. It creates, per parent
+group, a copy of the group (flat stages and point-to-point messages, with the runtime's timeout), one
+group per node (intra-node stages) and one group per local index (inter-node stages), and returns
+the :class:`A2AComm` of the parent that holds the calling rank. Nothing is read from the
+environment; nothing is cached in module state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from piper_core.errors import SpecError
+from piper_core.runtime.routes import Scope, StageSpec, stage_specs
+from piper_core.runtime.topology import Algorithm, NodeTopology, RankLayout, layout_for
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class A2AComm:
+    """Everything an exchange needs to know about its group (immutable; share it freely).
+
+    ``layout``: the members on the nodes; ``me``: this rank's member number (= its rank in
+    ``group``); ``group``/``intra``/``inter``: process groups for the flat and point-to-point stages,
+    this rank's node, and this rank's local index; ``timeout``: deadline of each wait (and of the
+    groups); ``host_timeout``: False leaves the deadline to the process group alone (NCCL's
+    non-blocking ``wait`` semantics, at the cost of errors that do not name the exchange).
+    """
+
+    layout: RankLayout
+    me: int
+    group: dist.ProcessGroup
+    intra: dist.ProcessGroup
+    inter: dist.ProcessGroup
+    timeout: timedelta
+    host_timeout: bool
+    specs: tuple[tuple[Algorithm, tuple[StageSpec, ...]], ...]
+
+    @property
+    def size(self) -> int:
+        return self.layout.size
+
+    @property
+    def global_rank(self) -> int:
+        return self.layout.ranks[self.me]
+
+    def stages(self, algorithm: Algorithm) -> tuple[StageSpec, ...]:
+        """The stage specs of ``algorithm`` on this group (precomputed by :func:`create_comm`)."""
+        for alg, specs in self.specs:
+            if alg is algorithm:
+                return specs
+        raise SpecError("algorithm", algorithm, "is not an Algorithm",
+                        f"use one of {[a.value for a in Algorithm]}")
+
+    def group_for(self, scope: Scope) -> dist.ProcessGroup:
+        return {Scope.ALL: self.group, Scope.INTRA: self.intra, Scope.INTER: self.inter}[scope]
+
+
+def create_comm(topology: NodeTopology, *, parents: Sequence[Sequence[int]] | None = None,
+                timeout: timedelta = timedelta(seconds=60), host_timeout: bool = True) -> A2AComm:
+    """Create the groups for every parent group (global ranks; default: one, the whole job) and
+    return this rank's :class:`A2AComm`. Collective: every rank calls it with identical arguments."""
+    if not dist.is_initialized():
+        raise SpecError("torch.distributed", "not initialized", "create_comm creates process groups",
+                        "call torch.distributed.init_process_group first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [tuple(p) for p in parents] if parents is not None else [tuple(range(world))]
+    _check_parents(groups, world, rank)
+    if timeout.total_seconds() <= 0:
+        raise SpecError("timeout", timeout, "must be positive", "pass e.g. timedelta(seconds=60)")
+    mine: A2AComm | None = None
+    for parent in groups:
+        layout = layout_for(topology, parent)
+        whole = dist.new_group(list(layout.ranks), timeout=timeout)
+        nodes = [dist.new_group([layout.ranks[m] for m in layout.node_members(n)], timeout=timeout)
+                 for n in range(layout.num_nodes)]
+        locals_ = [dist.new_group([layout.ranks[m] for m in layout.local_members(j)], timeout=timeout)
+                   for j in range(layout.per_node)]
+        if rank in layout.ranks:
+            me = layout.ranks.index(rank)
+            specs = tuple((alg, stage_specs(layout, alg)) for alg in Algorithm)
+            mine = A2AComm(layout=layout, me=me, group=whole, intra=nodes[layout.node[me]],
+                           inter=locals_[layout.local[me]], timeout=timeout, host_timeout=host_timeout,
+                           specs=specs)
+    if mine is None:  # unreachable: _check_parents put this rank in one parent
+        raise RuntimeError(f"rank {rank} found in no parent group {groups}")
+    return mine
+
+
+def _check_parents(groups: list[tuple[int, ...]], world: int, rank: int) -> None:
+    seen: set[int] = set()
+    for i, g in enumerate(groups):
+        bad = [r for r in g if not isinstance(r, int) or not 0 <= r < world]
+        if bad or not g:
+            raise SpecError(f"parents[{i}]", g, f"global ranks must be ints in [0, {world})",
+                            "list the global ranks of each parent group")
+        if seen & set(g):
+            raise SpecError(f"parents[{i}]", g, f"ranks {sorted(seen & set(g))} are in two parent groups",
+                            "parent groups must be disjoint (e.g. the expert-parallel groups)")
+        seen |= set(g)
+    if rank not in seen:
+        raise SpecError("parents", groups, f"rank {rank} is in no parent group",
+                        "every calling rank must belong to one parent group")

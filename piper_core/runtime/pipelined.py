@@ -1,0 +1,210 @@
+"""Pipelined dispatch -> experts -> combine: chunk ``k + 1``'s all-to-all runs while chunk ``k``'s
+experts compute, in forward and in backward.
+
+Forward schedule (every rank runs the same one, so collectives are posted in the same order on every
+group; chunk ``k``: ``D_k`` dispatch, ``E_k`` experts, ``C_k`` combine)::
+
+    post D_0
+    for k: post D_{k+1}; wait D_k; advance in-flight; E_k; post C_k
+    wait C_0 .. C_{n-1}; put rows back in x's order
+
+Backward mirrors it: post the gradient of ``C_0`` (and ``C_{k+1}`` before waiting ``C_k``), run
+``E_k``'s backward while the next one is in flight, post the gradient of ``D_k`` right after, wait
+them all at the end. "advance in-flight" moves every multi-stage exchange in flight to its next
+stage (e.g. the inter-node stage of a hierarchical exchange) so that it, too, overlaps the experts.
+
+Why one autograd Function with an explicit backward schedule rather than start/wait nodes left to
+the autograd engine: the engine orders nodes by their creation sequence and readiness, which depends
+on the expert function's graph; a rank whose graph differs (say, an expert skipped for having no
+tokens) could post its collectives in another order and, on gloo, exchange the wrong data silently.
+Here the order is fixed by this code. The expert graph of each chunk is built in forward on detached
+inputs and run backward with ``torch.autograd.backward`` (as reentrant activation checkpointing
+does): parameter gradients accumulate into ``.grad`` as usual; ``torch.autograd.grad`` with respect
+to expert parameters is not supported, and the expert function may depend only on its arguments
+and on leaf tensors (its parameters). ``chunks == 1`` runs exactly the unpipelined path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from piper_core.errors import SpecError
+from piper_core.runtime.alltoall import ExchangePlan, PendingExchange, start_exchange
+from piper_core.runtime.dispatch import DispatchMeta, take
+
+
+class ExpertFn(Protocol):
+    """Runs the local experts: ``tokens`` ``[T, ...]`` grouped by local expert,
+    ``tokens_per_expert[e]`` rows each (sum = T), ``probs`` ``[T, ...]`` or None -> ``[T, ...]``
+    (Megatron's ``SequentialMLP.forward(hidden, tokens_per_expert, probs)`` has this shape)."""
+
+    def __call__(self, tokens: torch.Tensor, tokens_per_expert: tuple[int, ...],
+                 probs: torch.Tensor | None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduleEvent:
+    """One step of the schedule, reported to ``on_event`` (tests check the overlap with these;
+    benchmarks may time-stamp them)."""
+
+    direction: Literal["forward", "backward"]
+    action: Literal["post", "wait", "experts"]
+    exchange: Literal["dispatch", "combine", "none"]
+    chunk: int
+
+
+EventFn = Callable[[ScheduleEvent], None]
+
+
+def moe_alltoall(x: torch.Tensor, meta: DispatchMeta, experts: ExpertFn, *, probs: torch.Tensor | None = None,
+                 on_event: EventFn | None = None) -> torch.Tensor:
+    """Dispatch ``x`` ``[rows_in, ...]`` (and ``probs`` ``[rows_in, ...]``, moved alongside) to the
+    experts, run ``experts`` per chunk, combine: -> ``[rows_in, ...]`` in ``x``'s order.
+    Differentiable in ``x``, ``probs`` and the experts' parameters; ``meta`` from ``plan_dispatch``."""
+    for key, t in (("x", x), ("probs", probs)):
+        if t is not None and t.shape[0] != meta.rows_in:
+            raise SpecError(f"{key}.shape[0]", t.shape[0], f"must equal the tokens this rank sends "
+                            f"({meta.rows_in}, the sum of its row of counts)",
+                            "plan_dispatch with this step's counts; sort tokens by expert")
+    run = _Run(meta=meta, experts=experts, on_event=on_event, x=x, probs=probs)
+    if not torch.is_grad_enabled():
+        return run.forward(x, probs, build_graph=False)
+    anchor = torch.empty(0, requires_grad=True)  # the output needs a graph even if only parameters do
+    return _Pipelined.apply(run, x, probs, anchor)
+
+
+class _Pipelined(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: _Run, x: torch.Tensor, probs: torch.Tensor | None,  # type: ignore[override]
+                anchor: torch.Tensor) -> torch.Tensor:
+        ctx.run = run
+        return run.forward(x, probs, build_graph=True)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        gx, gp = ctx.run.backward(grad)
+        ctx.run = None
+        return None, gx, gp, None
+
+
+class _Run:
+    """The state of one call (what forward keeps for backward); never outlives it."""
+
+    def __init__(self, *, meta: DispatchMeta, experts: ExpertFn, on_event: EventFn | None,
+                 x: torch.Tensor, probs: torch.Tensor | None):
+        self.meta, self.experts, self.on_event = meta, experts, on_event
+        self.kinds = [(t.dtype, tuple(t.shape[1:])) for t in (x, probs) if t is not None]
+        self.saved: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None] = []
+        self.inflight: list[PendingExchange] = []
+
+    def _event(self, direction: str, action: str, exchange: str, k: int) -> None:
+        if self.on_event is not None:
+            self.on_event(ScheduleEvent(direction=direction, action=action, exchange=exchange, chunk=k))
+
+    def _post(self, x: torch.Tensor, plan: ExchangePlan, backward: bool, direction: str, name: str,
+              k: int) -> PendingExchange:
+        self._event(direction, "post", name, k)
+        pending = start_exchange(x, plan, backward=backward)
+        self.inflight.append(pending)
+        return pending
+
+    def _wait(self, pending: PendingExchange, direction: str, name: str, k: int) -> torch.Tensor:
+        self._event(direction, "wait", name, k)
+        out = pending.wait()
+        self.inflight.remove(pending)
+        return out
+
+    def _advance(self) -> None:
+        for pending in self.inflight:  # launch order: the same on every rank
+            pending.advance()
+
+    def forward(self, x: torch.Tensor, probs: torch.Tensor | None, *, build_graph: bool) -> torch.Tensor:
+        chunks = self.meta.chunk
+
+        def post_dispatch(k: int) -> PendingExchange:
+            sent = pack([take(x, chunks[k].rows), take(probs, chunks[k].rows)])
+            return self._post(sent, chunks[k].dispatch, False, "forward", "dispatch", k)
+
+        disp, comb = {0: post_dispatch(0)}, []
+        for k, ch in enumerate(chunks):
+            if k + 1 < len(chunks):
+                disp[k + 1] = post_dispatch(k + 1)
+            y = self._wait(disp.pop(k), "forward", "dispatch", k)
+            self._advance()
+            out = self._experts(k, take(y, ch.to_experts), build_graph)
+            comb.append(self._post(take(out, ch.from_experts), ch.combine, False, "forward", "combine", k))
+        z = [self._wait(p, "forward", "combine", k) for k, p in enumerate(comb)]
+        return take(torch.cat(z) if len(z) > 1 else z[0], self.meta.restore)
+
+    def _experts(self, k: int, y: torch.Tensor, build_graph: bool) -> torch.Tensor:
+        tokens, probs = unpack(y, self.kinds)
+        counts = self.meta.chunk[k].tokens_per_expert
+        self._event("forward", "experts", "none", k)
+        if build_graph:
+            with torch.enable_grad():
+                tokens = tokens.detach().requires_grad_(True)
+                probs = None if probs is None else probs.detach().requires_grad_(True)
+                out = self.experts(tokens, counts, probs)
+            self.saved.append((tokens, probs, out))
+            out = out.detach()
+        else:
+            out = self.experts(tokens, counts, probs)
+        if out.shape[0] != tokens.shape[0]:
+            raise SpecError("experts(...).shape[0]", out.shape[0], f"must equal its input's rows ({tokens.shape[0]})",
+                            "return one output row per token, in the order given")
+        return out
+
+    def backward(self, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        chunks, grad = self.meta.chunk, grad.contiguous()
+        back = {0: self._post(take(grad, chunks[0].rows), chunks[0].combine, True, "backward", "combine", 0)}
+        disp = []
+        for k, ch in enumerate(chunks):
+            if k + 1 < len(chunks):
+                back[k + 1] = self._post(take(grad, chunks[k + 1].rows), chunks[k + 1].combine, True,
+                                         "backward", "combine", k + 1)
+            g_out = self._wait(back.pop(k), "backward", "combine", k)
+            self._advance()
+            g_in = self._experts_backward(k, take(g_out, ch.to_experts))
+            disp.append(self._post(take(g_in, ch.from_experts), ch.dispatch, True, "backward", "dispatch", k))
+        g = [self._wait(p, "backward", "dispatch", k) for k, p in enumerate(disp)]
+        gx, gp = unpack(take(torch.cat(g) if len(g) > 1 else g[0], self.meta.restore), self.kinds)
+        return gx, gp
+
+    def _experts_backward(self, k: int, grad_out: torch.Tensor) -> torch.Tensor:
+        """Backward of chunk ``k``'s experts: packed gradients of their inputs (tokens, probs)."""
+        tokens, probs, out = self.saved[k]  # type: ignore[misc]
+        self.saved[k] = None
+        self._event("backward", "experts", "none", k)
+        if out.requires_grad:
+            torch.autograd.backward(out, grad_out)
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (tokens, probs) if t is not None]
+        return pack(grads)
+
+
+def pack(parts: list[torch.Tensor | None]) -> torch.Tensor:
+    """Rows of several tensors side by side as bytes ``[T, bytes]`` (one message instead of several;
+    a lone tensor passes through unchanged). ``None`` parts are skipped."""
+    real = [p for p in parts if p is not None]
+    if len(real) == 1:
+        return real[0]
+    return torch.cat([p.contiguous().reshape(p.shape[0], math.prod(p.shape[1:])).view(torch.uint8)
+                      for p in real], dim=1)
+
+
+def unpack(buf: torch.Tensor, kinds: list[tuple[torch.dtype, tuple[int, ...]]]
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Inverse of :func:`pack` for (tokens, probs) of the given (dtype, trailing shape)."""
+    if len(kinds) == 1:
+        return buf, None
+    out, col = [], 0
+    for dtype, shape in kinds:
+        width = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        part = buf[:, col:col + width].contiguous().view(dtype).reshape(buf.shape[0], *shape)
+        out.append(part)
+        col += width
+    return out[0], out[1]
