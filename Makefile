@@ -21,12 +21,10 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-# The main job on built-in defaults: plan the 1T Switch recipe on 1024 DGX H100 GPUs, then show
-# the full prediction of the plan the scheduler picks.
+# The main job on built-in defaults: plan the 1T Switch recipe on 1024 DGX H100 GPUs and show the
+# full prediction of the plan the scheduler picks.
 run: install
-	$(PIPER) plan switch-1t --cluster dgx-h100 --gpus 1024 --gbs 2048 --top 5
-	$(PIPER) predict switch-1t --cluster dgx-h100 --gpus 1024 \
-	  --parallel "ep=512,mbs=2,gbs=2048,a2a=hierarchical"
+	$(PIPER) plan switch-1t --cluster dgx-h100 --gpus 1024 --gbs 2048 --top 5 --detail
 
 # Benchmarks (not part of `make test`): scheduler search speed over the full space.
 bench: install

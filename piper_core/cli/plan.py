@@ -37,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--export-megatron", metavar="FILE", help="write Megatron-LM arguments for the best plan")
     p.add_argument("--export-deepspeed", metavar="FILE", help="write a DeepSpeed JSON config for the best plan")
     p.add_argument("--plot", metavar="DIR", help="write timeline, memory and Pareto PNGs for the best plan")
+    p.add_argument("--detail", action="store_true", help="also print the full prediction of the best plan")
     p.set_defaults(func=run)
 
 
@@ -63,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan_json(result, best, gbs), indent=2))
     else:
         print(render(model.name, cluster.name, args.gpus, gbs, result, best))
+        if best and args.detail:
+            from piper_core.cli.predict import render as render_prediction
+            print("\n" + render_prediction(best[0]))
         if not best:
             n, what = min_gpus(model, cluster)
             print(f"{model.name} needs at least {n:,} GPUs of {cluster.name} for {what} alone")
@@ -163,4 +167,10 @@ def why(top: Prediction, best: list[Prediction]) -> str:
              for k in ("tp", "pp", "vpp", "cp", "ep", "etp_size", "micro_batch_size", "recompute",
                        "distributed_optimizer", "grad_reduce_in_bf16", "optimizer_offload_fraction", "a2a",
                        "a2a_chunks") if getattr(top.plan, k) != getattr(second.plan, k)]
-    return f"{gain:.1f}% faster than the runner-up ({', '.join(diffs) or 'same sizes'})"
+    what = ", ".join(diffs) or "same sizes"
+    if gain >= 0.05:
+        return f"{gain:.1f}% faster than the runner-up ({what})"
+    saved = (second.peak_stage.total - top.peak_stage.total) / GIB
+    if saved > 0.005:
+        return f"as fast as the runner-up and {saved:.2f} GiB lighter per GPU ({what})"
+    return f"as fast and as heavy as the runner-up; preferred for fewer model-parallel ranks ({what})"
