@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.piper-installed
 TORCH  ?= torch==2.13.0
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: install run test test-unit test-megatron bench clean
+.PHONY: install run test test-unit test-runtime test-emulate test-megatron test-deepspeed bench clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -31,10 +31,13 @@ bench: install
 	$(PY) -m piper_core.bench.search_speed
 
 # Every tier runs on its own so that a tier collecting no test fails the run (pytest exit 5).
-test: install test-unit test-megatron
+test: install test-unit test-runtime test-megatron
 
 test-unit: install
 	$(PYTEST) tests/unit
+
+test-runtime: install
+	$(PYTEST) tests/runtime
 
 test-megatron: install
 	$(PYTEST) tests/megatron

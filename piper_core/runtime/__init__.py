@@ -12,8 +12,9 @@ API (stable; the benchmarks and the adapters build on it)::
     NodeTopology.uniform(world_size=8, ranks_per_node=4)
     Algorithm.FLAT | Algorithm.HIERARCHICAL | Algorithm.AGGREGATED
     create_comm(topology, *, parents=None, timeout=timedelta(seconds=60), host_timeout=True) -> A2AComm
-        # EVERY rank of the job calls it with identical arguments (it creates process groups);
-        # parents: global ranks of each parent group (default: the whole job), e.g. the EP groups.
+        # EVERY rank of the job calls it with identical arguments (it creates process groups,
+        # then one barrier per parent group); parents: global ranks of each parent group
+        # (default: the whole job), e.g. the expert-parallel groups; returns this rank's comm.
 
     # one exchange (all_to_all_single semantics on dim 0; bit-identical for every algorithm)
     all_to_all_flat(x, *, input_splits, output_splits, comm, label="all-to-all") -> Tensor
@@ -34,7 +35,9 @@ API (stable; the benchmarks and the adapters build on it)::
     CollectiveError   # a stage failed or timed out; names the exchange, the stage, the ranks
 
 Shapes: ``x`` is ``[rows, ...]`` (any trailing dims and dtype); ``counts[s][d]`` are rows (tokens),
-not bytes. Timeouts: each wait lasts at most ``comm.timeout`` (see :mod:`.timeouts`).
+not bytes, indexed by member (rank in the parent group = position in its sorted global ranks).
+Plans are pure computation (no communication) and hold index tensors on ``device``, which must be
+where ``x`` lives. Timeouts: each wait lasts at most ``comm.timeout`` (see :mod:`.timeouts`).
 """
 
 from piper_core.runtime.alltoall import (

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -37,13 +38,14 @@ class ExchangePlan:
     label: str
     forward: Route
     backward: Route
+    device: torch.device
 
     def reversed(self, label: str) -> ExchangePlan:
         """The exchange that sends everything back (``counts`` transposed)."""
         return replace(self, label=label, forward=self.backward, backward=self.forward)
 
 
-def counts_matrix(counts: Sequence[Sequence[int]] | torch.Tensor, size: int) -> torch.Tensor:
+def counts_matrix(counts: Sequence[Sequence[int]] | torch.Tensor | np.ndarray, size: int) -> torch.Tensor:
     """``counts`` as an int64 ``[W, W]`` CPU tensor, checked (``counts[s][d]`` = rows s sends d)."""
     t = torch.as_tensor(counts).to("cpu")
     if t.shape != (size, size) or t.is_floating_point() or t.is_complex():
@@ -55,15 +57,16 @@ def counts_matrix(counts: Sequence[Sequence[int]] | torch.Tensor, size: int) -> 
     return t.long()
 
 
-def plan_exchange(counts: Sequence[Sequence[int]] | torch.Tensor, *, comm: A2AComm, algorithm: Algorithm,
+def plan_exchange(counts: Sequence[Sequence[int]] | torch.Tensor | np.ndarray, *, comm: A2AComm, algorithm: Algorithm,
                   label: str = "all-to-all", device: torch.device | None = None) -> ExchangePlan:
     """Plan an exchange of ``counts[s][d]`` rows (the same matrix on every rank); index tensors go
     to ``device`` (where the data lives; default CPU). Pure computation, no communication."""
-    c = counts_matrix(counts, comm.size)
+    c = counts_matrix(counts, comm.size).numpy()
     specs = comm.stages(algorithm)
     return ExchangePlan(comm=comm, algorithm=algorithm, label=f"{algorithm.value} {label}",
-                        forward=plan_route(specs, comm.layout, c, comm.me, device=device),
-                        backward=plan_route(specs, comm.layout, c.t().contiguous(), comm.me, device=device))
+                        device=torch.device(device if device is not None else "cpu"),
+                        forward=plan_route(specs, c, comm.me, device=device),
+                        backward=plan_route(specs, np.ascontiguousarray(c.T), comm.me, device=device))
 
 
 def flat_plan(input_splits: Sequence[int], output_splits: Sequence[int], *, comm: A2AComm,
@@ -82,7 +85,7 @@ def flat_plan(input_splits: Sequence[int], output_splits: Sequence[int], *, comm
         return Route(stages=(stage,), final_index=None, rows_in=sum(stage.input_splits),
                      rows_out=sum(stage.output_splits))
 
-    return ExchangePlan(comm=comm, algorithm=Algorithm.FLAT, label=f"flat {label}",
+    return ExchangePlan(comm=comm, algorithm=Algorithm.FLAT, label=f"flat {label}", device=torch.device("cpu"),
                         forward=route(input_splits, output_splits), backward=route(output_splits, input_splits))
 
 
@@ -117,6 +120,8 @@ class PendingExchange:
 
     def wait(self) -> torch.Tensor:
         """Finish every stage; the output, rows in source order."""
+        if self.done:
+            raise RuntimeError(f"{self._op}: wait() was already called on this exchange")
         while True:
             self._finish()
             if self.done:
@@ -162,10 +167,11 @@ class PendingExchange:
 
 def _post_p2p(out: torch.Tensor, buf: torch.Tensor, stage: StagePlan, comm: A2AComm) -> list[dist.Work]:
     """Point-to-point stage: one message per peer with rows (empty ones are not sent: both sides
-    know the counts); the rows that stay are copied locally."""
+    know the counts); the rows that stay are copied locally. ``batch_isend_irecv`` groups the
+    messages, which NCCL needs when two ranks send to each other."""
     if stage.spec.scope is not Scope.ALL:
         raise RuntimeError(f"p2p stage {stage.spec.name!r} must span the whole group")
-    ranks, works = comm.layout.ranks, []
+    ranks, ops = comm.layout.ranks, []
     sends = torch.split(buf, list(stage.input_splits))
     recvs = torch.split(out, list(stage.output_splits))
     for peer in stage.members:
@@ -173,16 +179,31 @@ def _post_p2p(out: torch.Tensor, buf: torch.Tensor, stage: StagePlan, comm: A2AC
             recvs[peer].copy_(sends[peer])
             continue
         if recvs[peer].shape[0]:
-            works.append(dist.irecv(recvs[peer], src=ranks[peer], group=comm.group))
+            ops.append(dist.P2POp(dist.irecv, recvs[peer], ranks[peer], group=comm.group))
         if sends[peer].shape[0]:
-            works.append(dist.isend(sends[peer].contiguous(), dst=ranks[peer], group=comm.group))
-    return works
+            ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), ranks[peer], group=comm.group))
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
 def start_exchange(x: torch.Tensor, plan: ExchangePlan, *, backward: bool = False) -> PendingExchange:
     """Post ``plan`` (its backward direction if ``backward``) on ``x``; no autograd."""
     route = plan.backward if backward else plan.forward
+    if any(i is not None for i in _indices(route)):
+        check_device(x, plan.device, "plan_exchange")
     return PendingExchange(x, route, plan.comm, f"{plan.label} ({'backward' if backward else 'forward'})")
+
+
+def _indices(route: Route) -> list[torch.Tensor | None]:
+    return [stage.send_index for stage in route.stages] + [route.final_index]
+
+
+def check_device(x: torch.Tensor, device: torch.device, planner: str) -> None:
+    """Index tensors of a plan live on ``device``; ``x`` must be there too."""
+    same = x.device.type == device.type and (x.device.index is None or device.index is None
+                                              or x.device.index == device.index)
+    if not same:
+        raise SpecError("x.device", str(x.device), f"must be where {planner} put its index tensors ({device})",
+                        f"pass device=x.device to {planner}")
 
 
 class _Exchange(torch.autograd.Function):

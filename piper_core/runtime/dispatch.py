@@ -21,12 +21,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from piper_core.errors import SpecError
 from piper_core.runtime import timeouts
-from piper_core.runtime.alltoall import ExchangePlan, exchange, plan_exchange
+from piper_core.runtime.alltoall import ExchangePlan, check_device, exchange, plan_exchange
 from piper_core.runtime.groups import A2AComm
 from piper_core.runtime.routes import reorder_rows
 from piper_core.runtime.topology import Algorithm
@@ -58,6 +59,7 @@ class DispatchMeta:
 
     algorithm: Algorithm
     chunks: int
+    device: torch.device
     num_local_experts: int
     rows_in: int
     rows_out: int
@@ -85,27 +87,28 @@ def plan_dispatch(counts: Sequence[Sequence[int]] | torch.Tensor, *, comm: A2ACo
                   chunks: int = 1, device: torch.device | None = None) -> DispatchMeta:
     """Plan a dispatch of ``counts[s][g]`` tokens (``[W, E]``, identical on every rank) in
     ``chunks`` chunks by ``algorithm``; index tensors go to ``device``. No communication."""
-    c = _check_counts(counts, comm.size)
+    c = _check_counts(counts, comm.size).numpy()
     if not isinstance(chunks, int) or chunks < 1:
         raise SpecError("chunks", chunks, "must be an int >= 1", "use 1 for the unpipelined path")
     w, e = c.shape
     per = e // w
     me, plans = comm.me, []
+    mine = c[:, me * per:(me + 1) * per]  # [W sources, local experts]
+    order = np.arange(w * per).reshape(w, per).T.reshape(-1)  # (e, s) order of the (s, e) runs
     for k in range(chunks):
         part = (c * (k + 1)) // chunks - (c * k) // chunks  # [W, E] tokens in chunk k
-        mat = part.reshape(w, w, per).sum(-1)
         name = f"chunk {k + 1}/{chunks}"
-        disp = plan_exchange(mat, comm=comm, algorithm=algorithm, label=f"dispatch {name}", device=device)
-        got = part[:, me * per:(me + 1) * per]  # [W sources, local experts], rows in (s, e) order
-        order = torch.arange(w * per).reshape(w, per).t().reshape(-1)  # (e, s) order of (s, e) blocks
+        disp = plan_exchange(part.reshape(w, w, per).sum(-1), comm=comm, algorithm=algorithm,
+                             label=f"dispatch {name}", device=device)
+        got = part[:, me * per:(me + 1) * per]
         to_exp = reorder_rows(got.reshape(-1), order, device)
         plans.append(ChunkPlan(rows=_chunk_rows(c[me], k, chunks, device), dispatch=disp,
                                combine=disp.reversed(f"{algorithm.value} combine {name}"),
                                to_experts=to_exp, from_experts=_inverse(to_exp),
                                tokens_per_expert=tuple(got.sum(0).tolist())))
-    return DispatchMeta(algorithm=algorithm, chunks=chunks, num_local_experts=per,
-                        rows_in=int(c[me].sum()), rows_out=int(c[:, me * per:(me + 1) * per].sum()),
-                        tokens_per_expert=tuple(c[:, me * per:(me + 1) * per].sum(0).tolist()),
+    return DispatchMeta(algorithm=algorithm, chunks=chunks, device=torch.device(device or "cpu"),
+                        num_local_experts=per, rows_in=int(c[me].sum()),
+                        rows_out=int(mine.sum()), tokens_per_expert=tuple(mine.sum(0).tolist()),
                         chunk=tuple(plans), restore=_restore(plans, device))
 
 
@@ -121,16 +124,16 @@ def _check_counts(counts: Sequence[Sequence[int]] | torch.Tensor, w: int) -> tor
     return c.long()
 
 
-def _chunk_rows(mine: torch.Tensor, k: int, chunks: int, device: torch.device | None) -> torch.Tensor | None:
+def _chunk_rows(mine: np.ndarray, k: int, chunks: int, device: torch.device | None) -> torch.Tensor | None:
     """Rows of ``x`` (runs of ``mine[g]`` tokens per expert) that chunk ``k`` takes, in order."""
     if chunks == 1:
         return None
     lo, hi = (mine * k) // chunks, (mine * (k + 1)) // chunks
-    starts = torch.cumsum(mine, 0) - mine + lo
+    starts = np.cumsum(mine) - mine + lo
     lengths = hi - lo
-    offsets = torch.cumsum(lengths, 0) - lengths
-    rows = torch.repeat_interleave(starts - offsets, lengths) + torch.arange(int(lengths.sum()))
-    return rows.to(device) if device is not None else rows
+    offsets = np.cumsum(lengths) - lengths
+    rows = np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()))
+    return torch.from_numpy(rows.astype(np.int64)).to(device if device is not None else "cpu")
 
 
 def _inverse(index: torch.Tensor | None) -> torch.Tensor | None:
@@ -161,6 +164,7 @@ def dispatch(x: torch.Tensor, meta: DispatchMeta, *, probs: torch.Tensor | None 
     -> expert-side tokens ``[rows_out, ...]`` grouped by local expert (``meta.tokens_per_expert``),
     and ``probs`` ``[rows_in, ...]`` moved alongside (None if not given)."""
     ch = _single(meta, "dispatch")
+    check_device(x, meta.device, "plan_dispatch")
     y = take(exchange(take(x, None), ch.dispatch), ch.to_experts)
     p = None if probs is None else take(exchange(take(probs, None), ch.dispatch), ch.to_experts)
     return y, p

@@ -5,8 +5,8 @@ entered by every process of the default group, for every sub-group, in the same 
 rank calls ``create_comm`` with identical arguments (the same topology and the same list of parent
 groups), at the same point of its program, after ``init_process_group``. It creates, per parent
 group, a copy of the group (flat stages and point-to-point messages, with the runtime's timeout), one
-group per node (intra-node stages) and one group per local index (inter-node stages), and returns
-the :class:`A2AComm` of the parent that holds the calling rank. Nothing is read from the
+group per node (intra-node stages) and one group per local index (inter-node stages), runs one
+barrier on the calling rank's parent copy, and returns the :class:`A2AComm` of that parent. Nothing is read from the
 environment; nothing is cached in module state.
 """
 
@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from piper_core.errors import SpecError
+from piper_core.runtime import timeouts
 from piper_core.runtime.routes import Scope, StageSpec, stage_specs
 from piper_core.runtime.topology import Algorithm, NodeTopology, RankLayout, layout_for
 
@@ -91,7 +92,18 @@ def create_comm(topology: NodeTopology, *, parents: Sequence[Sequence[int]] | No
                            specs=specs)
     if mine is None:  # unreachable: _check_parents put this rank in one parent
         raise RuntimeError(f"rank {rank} found in no parent group {groups}")
+    _warm_up(mine.group, mine.layout.ranks, timeout)
     return mine
+
+
+def _warm_up(group: dist.ProcessGroup, ranks: tuple[int, ...], timeout: timedelta) -> None:
+    """One barrier on the new group: connections are made now rather than inside the first timed
+    exchange, and NCCL's communicator exists before the first point-to-point batch (which
+    ``batch_isend_irecv`` requires when it is a group's first operation)."""
+    what = timeouts.OpName(op="create_comm (barrier on the new group)", stage="stage 1/1", ranks=ranks,
+                           rank=dist.get_rank())
+    work = timeouts.launch(what, lambda: dist.barrier(group=group, async_op=True))
+    timeouts.wait(work, what, timeout)
 
 
 def _check_parents(groups: list[tuple[int, ...]], world: int, rank: int) -> None:

@@ -34,7 +34,7 @@ from typing import Literal, Protocol
 import torch
 
 from piper_core.errors import SpecError
-from piper_core.runtime.alltoall import ExchangePlan, PendingExchange, start_exchange
+from piper_core.runtime.alltoall import ExchangePlan, PendingExchange, check_device, start_exchange
 from piper_core.runtime.dispatch import DispatchMeta, take
 
 
@@ -71,6 +71,7 @@ def moe_alltoall(x: torch.Tensor, meta: DispatchMeta, experts: ExpertFn, *, prob
             raise SpecError(f"{key}.shape[0]", t.shape[0], f"must equal the tokens this rank sends "
                             f"({meta.rows_in}, the sum of its row of counts)",
                             "plan_dispatch with this step's counts; sort tokens by expert")
+    check_device(x, meta.device, "plan_dispatch")
     run = _Run(meta=meta, experts=experts, on_event=on_event, x=x, probs=probs)
     if not torch.is_grad_enabled():
         return run.forward(x, probs, build_graph=False)
@@ -87,6 +88,9 @@ class _Pipelined(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        if ctx.run is None:
+            raise RuntimeError("moe_alltoall: backward ran twice through one call; the experts' graphs are "
+                               "freed after the first (retain_graph is not supported); run the layer again")
         gx, gp = ctx.run.backward(grad)
         ctx.run = None
         return None, gx, gp, None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from piper_core.runtime.topology import Algorithm, RankLayout
@@ -36,12 +37,19 @@ class Scope(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StageSpec:
-    """One stage of an algorithm: ``hop_WW[s, d]`` = member holding block (s, d) after it."""
+    """One stage of an algorithm on one group layout (numpy, computed once per comm).
+
+    ``hop_WW[s, d]``: member holding block (s, d) after the stage; ``members[m]``: member ``m``'s
+    stage group (member numbers, by group rank); ``pos_WW[m, j]``: rank of member ``j`` in that
+    group, -1 if ``j`` is not in it.
+    """
 
     name: str
     scope: Scope
     p2p: bool
-    hop_WW: torch.Tensor
+    hop_WW: np.ndarray
+    members: tuple[tuple[int, ...], ...]
+    pos_WW: np.ndarray
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,29 +79,31 @@ class Route:
 
 
 def stage_specs(layout: RankLayout, algorithm: Algorithm) -> tuple[StageSpec, ...]:
-    """The stages of ``algorithm`` on ``layout`` (hop tables are ``[W, W]`` int64, CPU)."""
+    """The stages of ``algorithm`` on ``layout``."""
     w = layout.size
-    node = torch.tensor(layout.node, dtype=torch.long)
-    local = torch.tensor(layout.local, dtype=torch.long)
-    grid = torch.tensor([list(row) for row in (layout.node_members(n) for n in range(layout.num_nodes))],
-                        dtype=torch.long)
-    src = torch.arange(w).unsqueeze(1).expand(w, w)
-    dst = torch.arange(w).unsqueeze(0).expand(w, w)
+    node, local = np.array(layout.node), np.array(layout.local)
+    grid = np.array([layout.node_members(n) for n in range(layout.num_nodes)], dtype=np.int64)
+    src, dst = np.indices((w, w))
+
+    def spec(name: str, scope: Scope, hop: np.ndarray, p2p: bool = False) -> StageSpec:
+        members = tuple(scope_members(layout, scope, m) for m in range(w))
+        pos = np.full((w, w), -1, dtype=np.int64)
+        for m, group in enumerate(members):
+            pos[m, list(group)] = np.arange(len(group))
+        return StageSpec(name=name, scope=scope, p2p=p2p, hop_WW=hop, members=members, pos_WW=pos)
+
     if algorithm is Algorithm.FLAT:
-        return (StageSpec(name="flat", scope=Scope.ALL, p2p=False, hop_WW=dst.clone()),)
+        return (spec("flat", Scope.ALL, dst),)
     if algorithm is Algorithm.HIERARCHICAL:
-        regroup = grid[node[src], local[dst]]  # same node as the source, local index of the destination
-        return (StageSpec(name="intra-node regroup", scope=Scope.INTRA, p2p=False, hop_WW=regroup),
-                StageSpec(name="inter-node (same local index)", scope=Scope.INTER, p2p=False,
-                          hop_WW=dst.clone()))
+        regroup = grid[node[src], local[dst]]  # the source's node, the destination's local index
+        return (spec("intra-node regroup", Scope.INTRA, regroup),
+                spec("inter-node (same local index)", Scope.INTER, dst))
     if algorithm is Algorithm.AGGREGATED:
         a, b, q = node[src], node[dst], layout.per_node
-        same = a == b
-        gather = torch.where(same, dst, grid[a, b % q])  # sending gateway of node pair (a, b)
-        cross = torch.where(same, dst, grid[b, a % q])   # receiving gateway on node b
-        return (StageSpec(name="intra-node gather", scope=Scope.INTRA, p2p=False, hop_WW=gather),
-                StageSpec(name="node-pair send", scope=Scope.ALL, p2p=True, hop_WW=cross),
-                StageSpec(name="intra-node scatter", scope=Scope.INTRA, p2p=False, hop_WW=dst.clone()))
+        gather = np.where(a == b, dst, grid[a, b % q])  # sending gateway of node pair (a, b)
+        cross = np.where(a == b, dst, grid[b, a % q])   # receiving gateway, on node b
+        return (spec("intra-node gather", Scope.INTRA, gather), spec("node-pair send", Scope.ALL, cross, True),
+                spec("intra-node scatter", Scope.INTRA, dst))
     raise ValueError(f"unknown algorithm {algorithm!r}; use one of {[a.value for a in Algorithm]}")
 
 
@@ -106,55 +116,52 @@ def scope_members(layout: RankLayout, scope: Scope, me: int) -> tuple[int, ...]:
     return layout.local_members(layout.local[me])
 
 
-def plan_route(specs: tuple[StageSpec, ...], layout: RankLayout, counts_WW: torch.Tensor, me: int,
-               *, device: torch.device | None = None) -> Route:
+def plan_route(specs: tuple[StageSpec, ...], counts_WW: np.ndarray, me: int, *,
+               device: torch.device | None = None) -> Route:
     """Rank ``me``'s plan for moving ``counts_WW[s, d]`` rows from every ``s`` to every ``d``.
 
     Input rows are in destination order (as ``all_to_all_single`` takes them); output rows come out
     in source order. ``counts_WW``: int64 ``[W, W]``; index tensors land on ``device`` (default CPU).
     """
-    w = layout.size
+    w = counts_WW.shape[0]
     flat = counts_WW.reshape(-1)
-    keys = me * w + torch.arange(w)           # blocks held now, in buffer order
-    holder = torch.arange(w).repeat_interleave(w)  # holder of every block before the stage: its source
+    keys = me * w + np.arange(w)                # blocks held now, in buffer order
+    holder = np.repeat(np.arange(w), w)         # holder of every block before the stage: its source
     plans = []
     for spec in specs:
-        members = scope_members(layout, spec.scope, me)
-        pos = torch.full((w,), -1, dtype=torch.long)
-        pos[torch.tensor(members, dtype=torch.long)] = torch.arange(len(members))
-        hop = spec.hop_WW.reshape(-1)
+        pos, hop, n = spec.pos_WW[me], spec.hop_WW.reshape(-1), len(spec.members[me])
         to = pos[hop[keys]]
-        if bool((to < 0).any()):
+        if (to < 0).any():
             raise RuntimeError(f"stage {spec.name!r}: a block leaves rank {me}'s group (routing bug)")
-        order = torch.argsort(to * (w * w) + keys)
-        send_index = reorder_rows(flat[keys], order, device)
-        input_splits = _sum_by(to, flat[keys], len(members))
-        arrive = torch.nonzero((hop == me) & (pos[holder] >= 0)).reshape(-1)
-        frm = pos[holder[arrive]]
-        arrive = arrive[torch.argsort(frm * (w * w) + arrive)]
-        output_splits = _sum_by(pos[holder[arrive]], flat[arrive], len(members))
-        plans.append(StagePlan(spec=spec, members=members, send_index=send_index,
-                               input_splits=input_splits, output_splits=output_splits))
+        order = np.argsort(to * (w * w) + keys)
+        arrive = np.flatnonzero((hop == me) & (pos[holder] >= 0))
+        arrive = arrive[np.argsort(pos[holder[arrive]] * (w * w) + arrive)]
+        plans.append(StagePlan(spec=spec, members=spec.members[me],
+                               send_index=reorder_rows(flat[keys], order, device),
+                               input_splits=_sum_by(to, flat[keys], n),
+                               output_splits=_sum_by(pos[holder[arrive]], flat[arrive], n)))
         keys, holder = arrive, hop
-    final_index = reorder_rows(flat[keys], torch.argsort(keys), device)
-    return Route(stages=tuple(plans), final_index=final_index, rows_in=int(flat[me * w:(me + 1) * w].sum()),
-                 rows_out=int(counts_WW[:, me].sum()))
+    return Route(stages=tuple(plans), final_index=reorder_rows(flat[keys], np.argsort(keys), device),
+                 rows_in=int(counts_WW[me].sum()), rows_out=int(counts_WW[:, me].sum()))
 
 
-def _sum_by(bucket: torch.Tensor, rows: torch.Tensor, n: int) -> tuple[int, ...]:
-    """Rows per bucket (exact int64 sums)."""
-    return tuple(torch.zeros(n, dtype=torch.long).scatter_add_(0, bucket, rows).tolist())
+def _sum_by(bucket: np.ndarray, rows: np.ndarray, n: int) -> tuple[int, ...]:
+    """Rows per bucket ``0..n-1`` (exact int64 sums)."""
+    out = np.zeros(n, dtype=np.int64)
+    np.add.at(out, bucket, rows)
+    return tuple(out.tolist())
 
 
-def reorder_rows(lengths: torch.Tensor, order: torch.Tensor, device: torch.device | None) -> torch.Tensor | None:
-    """Row indices that reorder a buffer of blocks (``lengths`` rows each, in buffer order) into
-    ``order``; None when that is the identity (empty blocks may move freely)."""
+def reorder_rows(lengths: np.ndarray, order: np.ndarray, device: torch.device | None = None
+                 ) -> torch.Tensor | None:
+    """Row indices (int64 tensor on ``device``) that reorder a buffer of blocks (``lengths`` rows
+    each, in buffer order) into block ``order``; None when that is the identity (empty blocks may
+    move freely)."""
     moved = order[lengths[order] > 0]
-    if moved.numel() < 2 or bool((moved[1:] > moved[:-1]).all()):
+    if moved.size < 2 or bool((moved[1:] > moved[:-1]).all()):
         return None
-    starts = torch.cumsum(lengths, 0) - lengths
+    starts = np.cumsum(lengths) - lengths
     sel_len, sel_start = lengths[order], starts[order]
-    offsets = torch.cumsum(sel_len, 0) - sel_len
-    total = int(sel_len.sum())
-    index = torch.repeat_interleave(sel_start - offsets, sel_len) + torch.arange(total)
-    return index.to(device) if device is not None else index
+    offsets = np.cumsum(sel_len) - sel_len
+    index = np.repeat(sel_start - offsets, sel_len) + np.arange(int(sel_len.sum()))
+    return torch.from_numpy(index.astype(np.int64)).to(device if device is not None else "cpu")

@@ -39,13 +39,14 @@ class OpName:
 class CollectiveError(RuntimeError):
     """A collective of the runtime failed or did not complete within its timeout."""
 
-    def __init__(self, what: OpName, *, timeout: timedelta | None, cause: BaseException):
+    def __init__(self, what: OpName, *, timeout: timedelta | None, cause: BaseException, posting: bool = False):
         self.what, self.timeout, self.cause = what, timeout, cause
-        limit = f"within {timeout.total_seconds():g} s" if timeout is not None else "(no host timeout)"
+        limit = f"within {timeout.total_seconds():g} s" if timeout is not None else "within the group's timeout"
+        failed = "could not post it" if posting else f"did not complete it {limit}"
         first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
         super().__init__(
-            f"{what.op}, {what.stage}, on global ranks {list(what.ranks)}: rank {what.rank} did not "
-            f"complete it {limit} ({type(cause).__name__}: {first}). A peer is missing: one of ranks "
+            f"{what.op}, {what.stage}, on global ranks {list(what.ranks)}: rank {what.rank} {failed} "
+            f"({type(cause).__name__}: {first}). A peer is missing: one of ranks "
             f"{[r for r in what.ranks if r != what.rank]} skipped this call, ran the exchanges in a "
             "different order (algorithm, chunks and counts must match on every rank), or died; fix "
             "that peer, or pass a larger timeout to create_comm if it is only slow.")
@@ -56,7 +57,7 @@ def launch(what: OpName, start: Callable[[], T]) -> T:
     try:
         return start()
     except (RuntimeError, dist.DistError) as e:
-        raise CollectiveError(what, timeout=None, cause=e) from e
+        raise CollectiveError(what, timeout=None, cause=e, posting=True) from e
 
 
 def wait(work: dist.Work, what: OpName, timeout: timedelta | None) -> None:
