@@ -31,7 +31,7 @@ bench: install
 	$(PY) -m piper_core.bench.search_speed
 
 # Every tier runs on its own so that a tier collecting no test fails the run (pytest exit 5).
-test: install test-unit test-runtime test-megatron
+test: install test-unit test-runtime test-megatron test-deepspeed
 
 test-unit: install
 	$(PYTEST) tests/unit
@@ -41,6 +41,9 @@ test-runtime: install
 
 test-megatron: install
 	$(PYTEST) tests/megatron
+
+test-deepspeed: install
+	$(PYTEST) tests/deepspeed
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,201 @@
+"""The ``"piper"`` block of a DeepSpeed JSON config, validated in DeepSpeed's own style.
+
+DeepSpeed keeps unknown top-level keys of its config (``engine.config["piper"]`` returns the block)
+and validates its sub-configs with pydantic models derived from ``DeepSpeedConfigModel`` (extra keys
+forbidden). :class:`PiperConfig` is such a model, in strict mode (no "yes" for true, no "4" for 4);
+:meth:`PiperConfig.from_block` turns pydantic's errors into Piper's :class:`SpecError` (the key, the
+value, the rule and the fix; an unknown key names the nearest valid one and all of them).
+
+Keys (the block ``piper plan --export-deepspeed`` writes loads unchanged; ``piper_core/export.py``)::
+
+    "piper": {
+      "enabled": true,              # false (or no block): DeepSpeed runs untouched
+      "cluster": "dgx-h100",        # required when enabled: a cluster preset or ClusterSpec YAML path
+      "model": "switch-1t",         # model preset, ModelSpec YAML path or ModelSpec mapping; optional
+                                    # when the model was built by piper_deepspeed.builder
+      "a2a": "auto",                # auto | flat | hierarchical | pipelined
+      "chunks": "auto",             # pipeline chunks of the pipelined all-to-all: int >= 2 | auto
+      "memory_headroom": 0.0,       # fraction of usable GPU memory the plan keeps free, in [0, 1)
+      "plan_only": false,           # true: rank 0 prints the plan, then PlanOnly (SystemExit 0)
+      "trace": null,                # directory: per-rank JSON lines of the all-to-all schedule, plan.json
+      "profile": null,              # calibration profile: not read yet (piper calibrate is to come)
+      "plan": {"tp": 1, "pp": 1, "ep": 8, "etp": 1, "cp": 1, "vpp": 1, "mbs": 2, "recompute": "none"},
+                                    # optional: pins the plan (no search); written by the export
+      "predicted": {"mfu": 0.31, "step_s": 1.2, "peak_memory_gib": 61.0}   # informational
+    }
+
+As everywhere in DeepSpeed's pydantic configs, a value of ``"auto"`` means the key's default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import Field, ValidationError
+
+from piper_core.errors import SpecError, nearest
+from piper_core.presets import cluster_names, load_cluster, load_model, model_names
+from piper_core.specs.cluster import ClusterSpec
+from piper_core.specs.model import ModelSpec
+from piper_core.specs.yamlio import from_dict
+
+BLOCK = "piper"
+A2AChoice = Literal["auto", "flat", "hierarchical", "pipelined"]
+# The pipelined variants the scheduler tries when chunks is "auto" (piper_core/scheduler/space.py).
+AUTO_CHUNKS = (2, 4, 8)
+
+_STRICT = DeepSpeedConfigModel.model_config | {"strict": True}
+
+
+class PlanPin(DeepSpeedConfigModel):
+    """``piper.plan``: the plan to run instead of searching (as ``piper plan --export-deepspeed``
+    writes it). DeepSpeed can express only tp = etp = cp = vpp = 1."""
+
+    model_config = _STRICT
+    tp: Annotated[int, Field(ge=1)] = 1
+    pp: Annotated[int, Field(ge=1)] = 1
+    ep: Annotated[int, Field(ge=1)] = 1
+    etp: Annotated[int, Field(ge=1)] = 1
+    cp: Annotated[int, Field(ge=1)] = 1
+    vpp: Annotated[int, Field(ge=1)] = 1
+    mbs: Annotated[int, Field(ge=1)]
+    recompute: Literal["none", "selective", "full"] = "none"
+
+
+class PiperConfig(DeepSpeedConfigModel):
+    """The ``"piper"`` block (see the module doc for every key). Build with :meth:`from_block`."""
+
+    model_config = _STRICT
+    enabled: bool = True
+    cluster: str | None = None
+    profile: str | None = None
+    a2a: A2AChoice = "auto"
+    chunks: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    memory_headroom: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    plan_only: bool = False
+    trace: str | None = None
+    model: str | dict[str, Any] | None = None
+    plan: PlanPin | None = None
+    predicted: dict[str, float] | None = None
+
+    @classmethod
+    def from_block(cls, block: Any) -> PiperConfig:
+        """Validate the block's value; every error is a :class:`SpecError` naming ``piper.<key>``."""
+        if not isinstance(block, Mapping):
+            raise SpecError(BLOCK, block, "must be a mapping (a JSON object)",
+                            'write e.g. "piper": {"cluster": "dgx-h100", "model": "tiny-moe"}')
+        try:
+            cfg = cls(**block)
+        except ValidationError as exc:
+            raise _spec_error(exc, block) from None
+        cfg._check_combinations()
+        return cfg
+
+    def _check_combinations(self) -> None:
+        if self.profile is not None:
+            raise SpecError("piper.profile", self.profile, "calibration profiles are not read yet (piper calibrate "
+                            "is still to come); plans use the cluster spec's roofline terms",
+                            "remove the key or set it to null")
+        if not self.enabled:
+            return
+        if self.cluster is None:
+            raise SpecError("piper.cluster", None, "is required: the scheduler plans for the cluster the job runs on",
+                            f"set it to a preset ({', '.join(cluster_names())}) or a ClusterSpec YAML path")
+        if isinstance(self.chunks, int) and self.a2a in ("flat", "hierarchical") and self.chunks != 1:
+            raise SpecError("piper.chunks", self.chunks, f'pipeline chunks apply only to a2a "pipelined" '
+                            f'(a2a is "{self.a2a}")', 'set "a2a": "pipelined" or remove "chunks"')
+        if self.a2a == "pipelined" and self.chunks == 1:
+            raise SpecError("piper.chunks", 1, 'a2a "pipelined" needs chunks >= 2 (one chunk is the flat '
+                            "all-to-all)", 'set chunks to 2, 4, 8 or "auto", or "a2a": "flat"')
+
+    def a2a_choices(self) -> tuple[tuple[str, int], ...]:
+        """(a2a, chunks) variants the scheduler may pick from, as ``SearchSpace.a2a``."""
+        chunks = AUTO_CHUNKS if self.chunks == "auto" else (self.chunks,)
+        pipelined = tuple(("pipelined", c) for c in chunks if c >= 2)
+        if self.a2a == "auto":
+            return (("flat", 1), ("hierarchical", 1)) + pipelined
+        return pipelined if self.a2a == "pipelined" else ((self.a2a, 1),)
+
+    def cluster_spec(self) -> ClusterSpec:
+        try:
+            return load_cluster(self.cluster or "")
+        except SpecError as exc:
+            raise _prefixed(exc) from None
+
+    def model_spec(self, built: ModelSpec | None) -> ModelSpec:
+        """The model's shape: the block's ``model`` if set (it must then equal the spec the model was
+        built from, ``built``, if any), else ``built``."""
+        if self.model is None:
+            if built is None:
+                raise SpecError("piper.model", None, "the block needs the model's shape (layers, heads, experts, "
+                                "sequence length ...), which a DeepSpeed model does not carry",
+                                f"set it to a preset ({', '.join(model_names())}), a ModelSpec YAML path or a "
+                                "ModelSpec mapping, or build the model with piper_deepspeed.builder.build_model")
+            return built
+        try:
+            spec = (from_dict(ModelSpec, self.model, where=f'"{BLOCK}" block', prefix="piper.model.")
+                    if isinstance(self.model, dict) else load_model(self.model))
+        except SpecError as exc:
+            raise _prefixed(exc) from None
+        if built is not None and spec != built:
+            diff = [k for k in ModelSpec.__dataclass_fields__ if not k.startswith("_")
+                    and getattr(spec, k) != getattr(built, k)]
+            raise SpecError("piper.model", self.model, f"differs from the spec the model was built from ({built.name}) "
+                            f"in {', '.join(diff)}", "remove piper.model (the built model carries its spec) or rebuild")
+        return spec
+
+
+def read_block(config: Mapping[str, Any]) -> PiperConfig | None:
+    """The validated ``"piper"`` block of a DeepSpeed config dict, or None if it has none."""
+    if BLOCK not in config:
+        return None
+    return PiperConfig.from_block(config[BLOCK])
+
+
+def _prefixed(exc: SpecError) -> SpecError:
+    key = exc.key if exc.key.startswith(f"{BLOCK}.") else f"{BLOCK}.{exc.key}"
+    return SpecError(key, exc.value, exc.rule, exc.fix, where=exc.where)
+
+
+_RULES: dict[str, tuple[str, str]] = {
+    "enabled": ("must be true or false", "write true or false"),
+    "cluster": ("must be a cluster preset name or a ClusterSpec YAML path", "write a string, e.g. \"dgx-h100\""),
+    "profile": ("must be a path or null", "remove the key or set it to null"),
+    "a2a": ("must be one of auto, flat, hierarchical, pipelined", 'write e.g. "a2a": "pipelined"'),
+    "chunks": ('must be an int >= 1 or "auto"', 'write e.g. "chunks": 4 or "chunks": "auto"'),
+    "memory_headroom": ("must be a number in [0, 1): the fraction of usable GPU memory kept free",
+                        'write e.g. "memory_headroom": 0.1'),
+    "plan_only": ("must be true or false", "write true or false"),
+    "trace": ("must be a directory path or null", 'write e.g. "trace": "runs/trace"'),
+    "model": ("must be a model preset name, a ModelSpec YAML path or a ModelSpec mapping",
+              'write e.g. "model": "tiny-moe"'),
+    "plan": ("must be a mapping (tp, pp, ep, etp, cp, vpp, mbs, recompute)",
+             "write it as piper plan --export-deepspeed does, or remove it to let Piper search"),
+    "predicted": ("must be a mapping of numbers (informational, written by piper plan)", "remove the key"),
+    "plan.recompute": ("must be one of none, selective, full", 'write e.g. "recompute": "none"'),
+    "plan.mbs": ("is required and must be an int >= 1 (micro-batch size)", 'write e.g. "mbs": 1'),
+}
+_INT_RULE = ("must be an int >= 1", "write a whole number such as 1")
+
+
+def _spec_error(exc: ValidationError, block: Mapping[str, Any]) -> SpecError:
+    """The first of pydantic's errors as a SpecError naming ``piper.<key>``."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    top_field = loc[0]
+    if err["type"] == "extra_forbidden":
+        model = PlanPin if top_field == "plan" and len(loc) > 1 else PiperConfig
+        name = loc[-1]
+        valid = list(model.model_fields)
+        guess = nearest(name, valid)
+        hint = f"did you mean '{guess}'? " if guess else ""
+        where = "piper.plan" if model is PlanPin else "the piper block"
+        return SpecError(f"piper.{'.'.join(loc)}", err["input"], f"is not a key of {where}",
+                         f"{hint}valid keys: {', '.join(valid)}")
+    field = top_field if top_field != "plan" or len(loc) == 1 else f"plan.{loc[1]}"
+    value: Any = block.get(top_field) if top_field != "plan" or len(loc) == 1 else \
+        (block.get("plan") or {}).get(loc[1]) if isinstance(block.get("plan"), Mapping) else None
+    rule, fix = _RULES.get(field, _INT_RULE if field.startswith("plan.") else (err["msg"], "fix the value"))
+    return SpecError(f"piper.{field}", value, rule, fix)

@@ -1,0 +1,384 @@
+"""``piper_deepspeed.initialize``: ``deepspeed.initialize`` with Piper's plan and all-to-all.
+
+With no ``"piper"`` block, or ``"enabled": false``, the call is forwarded to ``deepspeed.initialize``
+with the very same arguments. Otherwise, in this order:
+
+1. the block is validated (:mod:`piper_deepspeed.config`); ZeRO-3 with MoE is refused (DeepSpeed's
+   engine refuses it only after building the ZeRO-3 optimizer, ``_validate_zero3_moe_compatibility``);
+2. the scheduler searches the plans DeepSpeed can express for the world size (tp = cp = vpp = etp = 1,
+   pipeline stages only for a ``PipelineModule`` and only even splits, no recompute or optimizer
+   offload, which Piper cannot impose on a user's model), or takes the block's pinned ``plan``;
+3. the config is rewritten (a copy): ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``
+   (``train_batch_size`` kept, so the three agree), ``zero_optimization.stage`` (the user's stage is
+   a floor: the plan's distributed optimizer needs >= 1), ``pipeline.stages``, and the block itself
+   (the plan that runs, its prediction); rank 0 prints the plan and why;
+4. the model is checked against the plan (each MoE layer's ``ep_size``, experts, top-k and width;
+   a ``PipelineModule``'s stage count): a conflict is an error naming the layer;
+5. every DeepSpeed ``MOELayer`` with ep > 1 is swapped for :class:`PiperMOELayer`; ``deepspeed.initialize``
+   builds the engine; Piper's all-to-all groups are created over DeepSpeed's expert-parallel groups.
+
+:func:`plan_for` runs steps 1-2 without a model or torch.distributed (to build the model for the plan
+with :func:`piper_deepspeed.builder.build_model` first).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+from piper_core.cli.plan import describe, render
+from piper_core.errors import Infeasible, SpecError
+from piper_core.export import deepspeed_compatible
+from piper_core.resource.memory import GIB
+from piper_core.resource.predict import Prediction, predict, to_json
+from piper_core.runtime import NodeTopology
+from piper_core.scheduler.search import SearchResult, best_predictions, search
+from piper_core.scheduler.space import SearchSpace, default_space
+from piper_core.specs.cluster import ClusterSpec
+from piper_core.specs.model import ModelSpec
+from piper_core.specs.parallel import ParallelPlan
+from piper_deepspeed.builder import MODEL_SPEC_ATTR
+from piper_deepspeed.config import BLOCK, PiperConfig, read_block
+from piper_deepspeed.moe import A2ASettings, Tracer, attach_comm, moe_modules, swap_moe_layers
+
+TOP = 3  # plans shown in the printout
+FIX_BUILD = ("build the model for the plan: piper_deepspeed.plan_for(config, world_size) then "
+             "piper_deepspeed.builder.build_model(spec, plan), or pass ep_size=plan.ep to every MoE layer")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanChoice:
+    """The plan Piper runs and how it was chosen. ``search`` None: pinned by ``piper.plan``.
+    ``zero_stage``: the stage written to the config (``user_zero_stage``: the one asked for)."""
+
+    prediction: Prediction
+    search: SearchResult | None
+    top: tuple[Prediction, ...]
+    world_size: int
+    global_batch: int
+    zero_stage: int
+    user_zero_stage: int
+    pipeline: bool
+
+    @property
+    def plan(self) -> ParallelPlan:
+        return self.prediction.plan
+
+
+class PlanOnly(SystemExit):
+    """Raised by :func:`initialize` on every rank when ``piper.plan_only`` is true, after rank 0
+    printed the plan; exits with status 0 unless caught (``.choice`` holds the plan)."""
+
+    def __init__(self, choice: PlanChoice):
+        super().__init__(0)
+        self.choice = choice
+
+
+# ---- planning (no torch.distributed) ------------------------------------------------------------
+
+def zero_stage(config: Mapping[str, Any]) -> int:
+    """``zero_optimization.stage`` of a DeepSpeed config (DeepSpeed's default: 0)."""
+    zero = config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage <= 3:
+        raise SpecError("zero_optimization.stage", stage, "must be 0, 1, 2 or 3", "write an int")
+    return stage
+
+
+def refuse_zero3(stage: int, moe: str | None) -> None:
+    """Piper's message for DeepSpeed's refusal of ZeRO-3 with its native MoE; ``moe`` names the
+    MoE layers (None: there are none)."""
+    if stage == 3 and moe:
+        raise SpecError("zero_optimization.stage", 3, f"DeepSpeed-MoE does not run under ZeRO-3 (the engine refuses "
+                        f"native MoE layers with stage 3; this model has {moe}); Piper plans MoE models with "
+                        "ZeRO 0-2", "set zero_optimization.stage to 1 or 2, or remove it and let Piper choose 0 or 1")
+
+
+def _named(layers: list[str]) -> str | None:
+    if not layers:
+        return None
+    shown = ", ".join(repr(n) for n in layers[:3]) + (", ..." if len(layers) > 3 else "")
+    return f"{len(layers)} MoE layer{'s' if len(layers) > 1 else ''}: {shown}"
+
+
+def global_batch(config: Mapping[str, Any], world_size: int, stages: int) -> int:
+    """The global batch the user asked for: ``train_batch_size``, else micro x GAS x dp."""
+    tbs = config.get("train_batch_size")
+    if isinstance(tbs, int) and not isinstance(tbs, bool) and tbs > 0:
+        return tbs
+    micro, gas = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps")
+    if isinstance(micro, int) and isinstance(gas, int) and micro > 0 and gas > 0:
+        return micro * gas * (world_size // stages)
+    raise SpecError("train_batch_size", tbs, "Piper plans for a fixed global batch (it picks the micro-batch "
+                    "size and derives gradient accumulation)", "set train_batch_size (sequences per step)")
+
+
+def deepspeed_space(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, world_size: int, *,
+                    pipeline: bool, min_stage: int) -> SearchSpace:
+    """The plans DeepSpeed(-MoE) can run (see the module doc)."""
+    base = default_space(model, cluster, world_size)
+    pp = tuple(p for p in base.pp if model.num_layers % p == 0 and world_size % p == 0) if pipeline else (1,)
+    return SearchSpace(tp=(1,), pp=pp, vpp=(1,), cp=(1,), ep=base.ep, etp_equals_tp=(False,), mbs=base.mbs,
+                       recompute=("none",), distributed_optimizer=(True,) if min_stage >= 1 else (True, False),
+                       a2a=block.a2a_choices() if model.is_moe else (("flat", 1),),
+                       memory_savers=((False, 0.0),))
+
+
+def plan_for(config: Mapping[str, Any] | str, world_size: int, *, pipeline: bool = False,
+             model_spec: ModelSpec | None = None, stages: int | None = None) -> PlanChoice:
+    """The plan :func:`initialize` will pick for ``config`` on ``world_size`` ranks (deterministic).
+
+    ``pipeline``: the model is (will be) a ``PipelineModule``, so pp is searched; ``model_spec``:
+    the shape when the block has no ``model``; ``stages``: an existing PipelineModule's stage count
+    (for a global batch given as micro x GAS)."""
+    raw = load_ds_config(config) if isinstance(config, str) else config
+    block = read_block(raw)
+    if block is None or not block.enabled:
+        raise SpecError(BLOCK, raw.get(BLOCK), "plan_for needs an enabled \"piper\" block",
+                        'add "piper": {"cluster": ..., "model": ...}')
+    spec = block.model_spec(model_spec)
+    user_stage = zero_stage(raw)
+    refuse_zero3(user_stage, f"{spec.num_moe_layers} MoE layers ({spec.name})" if spec.is_moe else None)
+    if pipeline and user_stage >= 2:
+        raise SpecError("zero_optimization.stage", user_stage, "DeepSpeed's pipeline engine runs ZeRO 0 or 1 only",
+                        "set zero_optimization.stage to 0 or 1")
+    gbs = global_batch(raw, world_size, stages or 1)
+    cluster = block.cluster_spec()
+    if block.plan is not None:
+        best, result = _pinned(block, spec, cluster, world_size, gbs, pipeline=pipeline, min_stage=user_stage), None
+        top = (best,)
+    else:
+        space = deepspeed_space(block, spec, cluster, world_size, pipeline=pipeline, min_stage=user_stage)
+        result = search(spec, cluster, world_size, gbs, space=space, memory_headroom=block.memory_headroom)
+        top = tuple(p for p in best_predictions(spec, cluster, result, TOP) if deepspeed_compatible(p.plan) is None)
+        if not top:
+            rejected = ", ".join(f"{n} {why}" for why, n in result.rejected.most_common()) or "none"
+            raise Infeasible(f"no plan DeepSpeed can run fits {spec.name} on {world_size} ranks of {cluster.name} at "
+                             f"global batch {gbs} (searched {result.candidates} plans; rejected: {rejected}); add "
+                             "ranks, change train_batch_size or lower piper.memory_headroom", rule="deepspeed")
+        best = top[0]
+    stage = max(user_stage, 1 if best.plan.distributed_optimizer else 0)
+    return PlanChoice(prediction=best, search=result, top=top, world_size=world_size, global_batch=gbs,
+                      zero_stage=stage, user_zero_stage=user_stage, pipeline=pipeline)
+
+
+def _pinned(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, world_size: int, gbs: int, *,
+            pipeline: bool, min_stage: int) -> Prediction:
+    """The pinned plan, with the block's all-to-all (auto: the fastest predicted variant)."""
+    pin = block.plan
+    if pin.recompute != "none":
+        raise SpecError("piper.plan.recompute", pin.recompute, "Piper cannot make a DeepSpeed model recompute",
+                        'set "recompute": "none" or remove piper.plan')
+    if pin.pp > 1 and not pipeline:
+        raise SpecError("piper.plan.pp", pin.pp, "pipeline stages need a PipelineModule model",
+                        "build the model with piper_deepspeed.builder.build_model(..., pipeline=True) or set pp to 1")
+    try:
+        base = ParallelPlan(gpus=world_size, tp=pin.tp, pp=pin.pp, vpp=pin.vpp if pin.vpp > 1 else None, cp=pin.cp,
+                            ep=pin.ep, etp=pin.etp, micro_batch_size=pin.mbs, global_batch_size=gbs,
+                            distributed_optimizer=min_stage >= 1)
+    except SpecError as exc:
+        raise SpecError(exc.key, exc.value, exc.rule, exc.fix, where=f"piper.plan on {world_size} ranks") from None
+    reason = deepspeed_compatible(base)
+    if reason is not None:
+        raise SpecError("piper.plan", pin.model_dump(), f"cannot be expressed in DeepSpeed ({reason})",
+                        "remove piper.plan to let Piper search the plans DeepSpeed can run")
+    variants = block.a2a_choices() if model.is_moe and pin.ep > 1 else (("flat", 1),)
+    preds = [predict(model, cluster, dataclasses.replace(base, a2a=a, a2a_chunks=c)) for a, c in variants]
+    return max(preds, key=lambda p: p.rate.tokens_per_s)
+
+
+def node_topology(cluster: ClusterSpec, world_size: int) -> NodeTopology:
+    """Ranks per node from the cluster spec, consecutive global ranks (the launchers' layout)."""
+    per = min(cluster.gpus_per_node, world_size)
+    if world_size % per:
+        raise SpecError("world size", world_size, f"is not a whole number of {cluster.name} nodes "
+                        f"({cluster.gpus_per_node} GPUs each)", "launch whole nodes or fix piper.cluster")
+    return NodeTopology.uniform(world_size=world_size, ranks_per_node=per)
+
+
+# ---- config rewrite and report -----------------------------------------------------------------
+
+Change = tuple[str, Any, Any]  # (key, old value or None, new value)
+
+
+def rewrite_config(config: Mapping[str, Any], choice: PlanChoice) -> tuple[dict[str, Any], list[Change]]:
+    """A rewritten copy of ``config`` for ``choice`` and the list of changed keys."""
+    plan, new = choice.plan, copy.deepcopy(dict(config))
+    changes: list[Change] = []
+
+    def put(where: dict[str, Any], key: str, label: str, value: Any) -> None:
+        if where.get(key) != value:
+            changes.append((label, where.get(key), value))
+        where[key] = value
+
+    put(new, "train_batch_size", "train_batch_size", choice.global_batch)
+    put(new, "train_micro_batch_size_per_gpu", "train_micro_batch_size_per_gpu", plan.micro_batch_size)
+    put(new, "gradient_accumulation_steps", "gradient_accumulation_steps", plan.num_microbatches)
+    new["zero_optimization"] = dict(new.get("zero_optimization") or {})
+    put(new["zero_optimization"], "stage", "zero_optimization.stage", choice.zero_stage)
+    if choice.pipeline:
+        new["pipeline"] = dict(new.get("pipeline") or {})
+        put(new["pipeline"], "stages", "pipeline.stages", plan.pp)
+    p = choice.prediction
+    new[BLOCK] = dict(new[BLOCK]) | {
+        "a2a": plan.a2a, "chunks": plan.a2a_chunks,
+        "plan": {"tp": plan.tp, "pp": plan.pp, "ep": plan.ep, "etp": plan.etp_size, "cp": plan.cp,
+                 "vpp": plan.virtual_stages, "mbs": plan.micro_batch_size, "recompute": plan.recompute},
+        "predicted": {"mfu": p.rate.mfu, "step_s": p.time.step, "peak_memory_gib": round(p.peak_stage.total / GIB, 4)}}
+    return new, changes
+
+
+def report(choice: PlanChoice, changes: list[Change], config: Mapping[str, Any], *, topology: NodeTopology) -> str:
+    """What rank 0 prints: the plan, why, the config changes and the MoE layers' all-to-all."""
+    p, plan = choice.prediction, choice.plan
+    nodes = len(topology.nodes)
+    lines = [f"piper: {p.model.name} on {choice.world_size} DeepSpeed ranks of {p.cluster.name} ({nodes} node"
+             f"{'s' if nodes > 1 else ''} x {len(topology.nodes[0])}), global batch {choice.global_batch}"]
+    if choice.search is not None:
+        body = render(p.model.name, p.cluster.name, choice.world_size, choice.global_batch, choice.search,
+                      list(choice.top))
+        lines += ["  " + line for line in body.splitlines()[1:]]
+    else:
+        fits = "fits" if p.feasible else "does NOT fit"
+        lines += [f"  plan pinned by piper.plan: {describe(plan)}",
+                  f"  predicted MFU {100 * p.rate.mfu:.1f}%, step {p.time.step:.3f} s, {p.rate.tokens_per_s:,.0f} "
+                  f"tokens/s, peak memory {p.peak_stage.total / GIB:.1f} of {p.capacity_bytes / GIB:.1f} GiB ({fits})",
+                  f"  bottleneck: {p.rate.bottleneck}"]
+    why = {"zero_optimization.stage": " (the plan shards optimizer state)" if plan.distributed_optimizer
+           and choice.user_zero_stage == 0 else ""}
+    rewritten = [f"{k} {'unset' if old is None else old} -> {new}{why.get(k, '')}" for k, old, new in changes]
+    lines.append("piper: DeepSpeed config: " + ("; ".join(rewritten) if rewritten else "unchanged")
+                 + f" (train_batch_size {choice.global_batch} = {plan.micro_batch_size} x "
+                 f"{plan.num_microbatches} x {plan.dp} ranks)")
+    if plan.ep > 1:
+        how = {"flat": "flat", "hierarchical": "hierarchical (intra-node stage, then inter-node)",
+               "pipelined": f"pipelined: flat exchanges in {plan.a2a_chunks} chunks overlapping the experts"}
+        lines.append(f"piper: {p.model.num_moe_layers} MoE layers with ep_size {plan.ep} run Piper's all-to-all, "
+                     f"{how[plan.a2a]}")
+    else:
+        lines.append("piper: ep=1: no expert-parallel all-to-all; MoE layers stay DeepSpeed's")
+    if not any((config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")):
+        lines.append("piper: note: this config trains in fp32; the prediction assumes bf16 weights and activations")
+    return "\n".join(lines)
+
+
+# ---- the drop-in -------------------------------------------------------------------------------
+
+def _user_config(args: Any, config: Any, config_params: Any) -> dict[str, Any] | None:
+    """The config deepspeed.initialize would read (None where it would refuse the arguments)."""
+    if config is None and config_params is not None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if from_args is not None:
+        if config is not None:
+            return None
+        config = from_args
+    if config is None:
+        return None
+    loaded = load_ds_config(config)
+    return loaded if isinstance(loaded, dict) else None
+
+
+def _check_model(model: torch.nn.Module, spec: ModelSpec, plan: ParallelPlan, mpu: Any) -> None:
+    """The built model agrees with the plan and the spec; the first conflict names the layer."""
+    if isinstance(model, PipelineModule) and model.num_stages != plan.pp:
+        raise SpecError("PipelineModule.num_stages", model.num_stages, f"conflicts with the plan's pp={plan.pp}",
+                        FIX_BUILD + ", or PipelineModule(num_stages=plan.pp)")
+    if mpu is not None and bwc_tensor_model_parallel_world_size(mpu) > 1:
+        raise SpecError("mpu", type(mpu).__name__, "has model parallelism, but Piper's DeepSpeed plans have tp=1",
+                        "pass no mpu (Piper plans expert, data and pipeline parallelism for DeepSpeed)")
+    layers = moe_modules(model)
+    if not isinstance(model, PipelineModule) and len(layers) != spec.num_moe_layers:
+        raise SpecError("model", type(model).__name__, f"has {len(layers)} DeepSpeed MoE layers but {spec.name} has "
+                        f"{spec.num_moe_layers}", "build the model from the same spec as piper.model")
+    for name, m in layers:
+        gate = m.deepspeed_moe.gate
+        found = (("ep_size", m.ep_size, plan.ep, "the plan's ep"), ("num_experts", m.num_experts, spec.num_experts,
+                 "num_experts of the spec"), ("k", gate.k, spec.moe_router_topk, "moe_router_topk of the spec"),
+                 ("hidden size", gate.wg.in_features, spec.hidden_size, "hidden_size of the spec"))
+        for key, have, want, what in found:
+            if have != want:
+                raise SpecError(f"MoE layer '{name}' {key}", have, f"conflicts with {what} ({want})", FIX_BUILD)
+
+
+def initialize(args: Any = None, model: torch.nn.Module = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = TORCH_DISTRIBUTED_DEFAULT_PORT, mpu: Any = None,
+               dist_init_required: bool | None = None, collate_fn: Any = None, config: Any = None,
+               mesh_param: Any = None, config_params: Any = None) -> tuple[Any, Any, Any, Any]:
+    """Drop-in for ``deepspeed.initialize`` (same signature, same return value); see the module doc."""
+    raw = _user_config(args, config, config_params)
+    block = read_block(raw) if raw is not None else None
+    passthrough = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                       training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
+                       mpu=mpu, dist_init_required=dist_init_required, collate_fn=collate_fn, config=config,
+                       mesh_param=mesh_param, config_params=config_params)
+    if block is None or not block.enabled:
+        return deepspeed.initialize(**passthrough)
+    if model is None:
+        raise SpecError("model", None, "deepspeed.initialize requires a model", "pass model=...")
+    layers = [name for name, _ in moe_modules(model)]
+    refuse_zero3(zero_stage(raw), _named(layers))
+    deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                                    distributed_port=distributed_port, dist_init_required=dist_init_required)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    pipeline = isinstance(model, PipelineModule)
+    choice = plan_for(raw, world, pipeline=pipeline, model_spec=getattr(model, MODEL_SPEC_ATTR, None),
+                      stages=model.num_stages if pipeline else None)
+    rewritten, changes = rewrite_config(raw, choice)
+    topology = node_topology(choice.prediction.cluster, world)
+    if rank == 0:
+        print(report(choice, changes, raw, topology=topology), flush=True)
+        if block.trace:
+            _write_plan(Path(block.trace), choice, changes)
+    if block.plan_only:
+        raise PlanOnly(choice)
+    _check_model(model, choice.prediction.model, choice.plan, mpu)
+    plan = choice.plan
+    if plan.ep > 1:
+        tracer = Tracer(Path(block.trace) / f"a2a-rank{rank}.jsonl") if block.trace else None
+        swap_moe_layers(model, A2ASettings.from_plan(plan.a2a, plan.a2a_chunks), tracer=tracer)
+    passthrough |= dict(args=_without_config(args), config=rewritten, config_params=None)
+    result = deepspeed.initialize(**passthrough)
+    if plan.ep > 1:
+        # Only the hierarchical exchange uses the node layout; the runtime's groups need every
+        # expert-parallel group to hold as many ranks on each node as on the others, which flat and
+        # pipelined exchanges do not, so those get the whole job as one "node".
+        comm_topology = topology if plan.a2a == "hierarchical" else NodeTopology(nodes=(tuple(range(world)),))
+        attach_comm(result[0].module, comm_topology)
+    return result
+
+
+def _without_config(args: Any) -> Any:
+    """A copy of ``args`` whose config fields are cleared (the rewritten config is passed instead)."""
+    if args is None or not (hasattr(args, "deepspeed_config") or hasattr(args, "deepscale_config")):
+        return args
+    copied = copy.copy(args)
+    for name in ("deepspeed_config", "deepscale_config"):
+        if hasattr(copied, name):
+            setattr(copied, name, None)
+    return copied
+
+
+def _write_plan(directory: Path, choice: PlanChoice, changes: list[Change]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    data = {"prediction": to_json(choice.prediction), "global_batch": choice.global_batch,
+            "zero_stage": choice.zero_stage, "config_changes": [list(c) for c in changes]}
+    (directory / "plan.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+__all__ = ["PlanChoice", "PlanOnly", "initialize", "plan_for", "rewrite_config", "report"]

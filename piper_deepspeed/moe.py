@@ -1,0 +1,308 @@
+"""Piper's all-to-all inside DeepSpeed-MoE: :class:`PiperMOELayer`, a ``MOELayer`` subclass.
+
+DeepSpeed's ``MOELayer.forward`` (``deepspeed/moe/sharded_moe.py``) encodes every rank's tokens
+into a capacity-padded ``[experts, capacity, d]`` buffer, exchanges the whole buffer with one
+synchronous ``all_to_all_single`` (``_AllToAll``), runs the experts, exchanges back and decodes.
+:class:`PiperMOELayer` keeps DeepSpeed's gate (same routing, capacity, token dropping, ``l_aux``
+and ``exp_counts``) and replaces what follows the gate with :mod:`piper_core.runtime`:
+
+1. the routed tokens are sorted by global expert, one row per kept (token, route) pair, so empty
+   capacity slots are neither sent nor computed (DeepSpeed pads every expert to the capacity);
+2. per-expert counts are all-gathered (:func:`exchange_counts`), the dispatch is planned
+   (:func:`plan_dispatch`: flat, hierarchical or aggregated stages, ``chunks`` pipeline chunks);
+3. :func:`moe_alltoall` dispatches, runs the local experts chunk by chunk while the next chunk's
+   exchange is in flight, and combines; each output row is weighted by its gate and summed per
+   token, as DeepSpeed decodes. The experts run on proxies of their parameters so that each real
+   parameter receives one accumulated gradient per backward, not one per chunk (ZeRO-2's reduce
+   hooks allow one; :class:`_ExpertGrads`).
+
+Outputs and gradients equal stock DeepSpeed's to fp32 rounding (tests/deepspeed/test_moe_layer.py):
+the experts see the same rows, only without the padding rows, whose outputs DeepSpeed discards.
+Requirements: DeepSpeed's ``Experts`` container (``deepspeed_experts``), experts that act on each
+token independently (as DeepSpeed's FFN experts do), no tensor parallelism (no ``groups.mpu``
+with tp > 1; Piper plans tp = 1 for DeepSpeed) and no Tutel.
+
+Swapping: ``deepspeed/moe/layer.py`` imports ``MOELayer`` by name, so replacing
+``sharded_moe.MOELayer`` changes nothing; :func:`swap_moe_layers` replaces each ``MoE`` module's
+``deepspeed_moe`` instance instead, and the engine's ``isinstance(module, MOELayer)`` still finds
+it. The process groups come afterwards (:func:`attach_comm`, collective), once DeepSpeed has
+created its expert-parallel groups.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+from deepspeed.moe.layer import MoE
+from deepspeed.moe.sharded_moe import MOELayer
+from deepspeed.utils import groups
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+from piper_core.errors import SpecError
+from piper_core.runtime import A2AComm, Algorithm, NodeTopology, ScheduleEvent, create_comm, exchange_counts
+from piper_core.runtime import moe_alltoall, plan_dispatch
+
+# Deadline of each wait of Piper's all-to-all (piper_core.runtime.timeouts). A training step can
+# legitimately stall a peer for a while (checkpointing, a first-step compile), so the runtime's
+# 60 s test default is too tight here.
+A2A_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class A2ASettings:
+    """How a layer exchanges tokens: ``algorithm`` for each exchange, ``chunks`` pipeline chunks
+    (1: the unpipelined path). The plan's ``pipelined`` all-to-all is FLAT in ``chunks >= 2``."""
+
+    algorithm: Algorithm
+    chunks: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
+            raise SpecError("chunks", self.chunks, "must be an int >= 1", "use 1 for the unpipelined all-to-all")
+
+    @classmethod
+    def from_plan(cls, a2a: str, chunks: int) -> A2ASettings:
+        """``ParallelPlan.a2a``/``a2a_chunks`` -> settings (timing/layer.py times "pipelined" as flat
+        exchanges in chunks, so that is what runs)."""
+        algorithm = Algorithm.HIERARCHICAL if a2a == "hierarchical" else Algorithm.FLAT
+        return cls(algorithm=algorithm, chunks=chunks if a2a == "pipelined" else 1)
+
+    def label(self) -> str:
+        return self.algorithm.value + (f" in {self.chunks} pipelined chunks" if self.chunks > 1 else "")
+
+
+class Tracer:
+    """Appends one JSON line per schedule event of Piper's all-to-all (``piper.trace``): layer,
+    direction, action, exchange, chunk and ``t_s`` (``time.perf_counter``). One file per rank."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file: TextIO | None = None
+
+    def event(self, layer: str, ev: ScheduleEvent) -> None:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", buffering=1)
+        self._file.write(json.dumps({"layer": layer, "direction": ev.direction, "action": ev.action,
+                                     "exchange": ev.exchange, "chunk": ev.chunk, "t_s": time.perf_counter()}) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Routes:
+    """Where each kept (route, token) pair of one forward goes, for ``k`` routes of ``S`` tokens.
+
+    ``token_of_row[r]``: the token sent as row ``r`` (rows in DeepSpeed's slot order: by global expert,
+    then capacity location); ``row_of_route[k * S]``: each route's row, ``rows`` for a dropped route
+    (a zero row at decode); ``tokens_per_expert[E]``: rows per global expert.
+    """
+
+    token_of_row: torch.Tensor
+    row_of_route: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    rows: int
+
+    @classmethod
+    def from_gate(cls, indices: torch.Tensor, locations: torch.Tensor, num_experts: int, capacity: int) -> Routes:
+        """From the gate's sparse routes: ``indices``/``locations`` ``[k, S]`` (expert -1: dropped)."""
+        k, s = indices.shape
+        kept = indices >= 0
+        slot = torch.where(kept, indices.long() * capacity + locations.long(), num_experts * capacity)
+        order = torch.argsort(slot.reshape(-1), stable=True)  # kept routes by slot, then the dropped
+        rows = int(kept.sum())
+        taken = order[:rows]
+        row_of_route = torch.full((k * s,), rows, dtype=torch.long, device=indices.device)
+        row_of_route[taken] = torch.arange(rows, device=indices.device)
+        per_expert = torch.bincount(indices[kept].long(), minlength=num_experts)
+        return cls(token_of_row=taken % s, row_of_route=row_of_route, tokens_per_expert=per_expert, rows=rows)
+
+
+class PiperMOELayer(MOELayer):
+    """DeepSpeed's ``MOELayer`` with Piper's all-to-all (see the module doc). Build with
+    :meth:`from_layer`; :func:`attach_comm` gives it its process groups before the first forward."""
+
+    piper_a2a: A2ASettings | None = None
+    piper_comm: A2AComm | None = None
+    piper_tracer: Tracer | None = None
+    piper_name: str = ""
+
+    def configure(self, settings: A2ASettings, *, comm: A2AComm | None = None, tracer: Tracer | None = None,
+                  name: str = "") -> None:
+        self.piper_a2a, self.piper_comm, self.piper_tracer, self.piper_name = settings, comm, tracer, name
+
+    @classmethod
+    def from_layer(cls, layer: MOELayer, settings: A2ASettings, *, name: str = "",
+                   tracer: Tracer | None = None) -> PiperMOELayer:
+        """A PiperMOELayer sharing ``layer``'s gate and experts (parameters, expert group name and
+        size, ep group if already set). ``name`` names the layer in errors and traces."""
+        _check_swappable(layer, name)
+        new = cls(layer.gate, layer.experts, layer.ep_group_name, layer.ep_size, layer.num_local_experts,
+                  use_tutel=False)
+        new.ep_group = layer.ep_group
+        new.wall_clock_breakdown = layer.wall_clock_breakdown
+        new.configure(settings, tracer=tracer, name=name)
+        return new
+
+    def forward(self, *input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if self.ep_size == 1:  # no exchange to replace
+            return super().forward(*input, **kwargs)
+        if self.piper_comm is None or self.piper_a2a is None:
+            raise RuntimeError(f"PiperMOELayer {self.piper_name!r} has no process groups yet: call "
+                               "piper_deepspeed.initialize (or moe.attach_comm after DeepSpeed set the expert "
+                               "groups) on every rank before the first forward")
+        start = time.perf_counter()
+        x = input[0]
+        tokens = x.reshape(-1, x.shape[-1])
+        used = input[1] if len(input) > 1 else None
+        self.l_aux, capacity, num_experts, indices, locations, gates, self.exp_counts = self.gate(
+            tokens, used, True, False)
+        routes = Routes.from_gate(indices, locations, num_experts, int(capacity))
+        counts = exchange_counts(routes.tokens_per_expert, comm=self.piper_comm)
+        meta = plan_dispatch(counts, comm=self.piper_comm, algorithm=self.piper_a2a.algorithm,
+                             chunks=self.piper_a2a.chunks, device=tokens.device)
+        on_event = None
+        if self.piper_tracer is not None:
+            tracer, name = self.piper_tracer, self.piper_name
+            on_event = lambda ev: tracer.event(name, ev)  # noqa: E731
+        rows = tokens.index_select(0, routes.token_of_row)
+        experts = self.experts.deepspeed_experts
+        params = [p for p in experts.parameters() if p.requires_grad]
+        proxies: list[dict[str, torch.Tensor]] | None = None
+        if torch.is_grad_enabled() and params:
+            proxies = [{n: p.detach().requires_grad_(p.requires_grad) for n, p in e.named_parameters()}
+                       for e in experts]
+            rows = _ExpertGrads.apply(rows, [t for d in proxies for t in d.values() if t.requires_grad], *params)
+        run = lambda t, n, probs: self._run_experts(t, n, proxies)  # noqa: E731
+        y = moe_alltoall(rows, meta, run, on_event=on_event)
+        out = _decode(y, routes, gates, tokens.shape[0])
+        if self.wall_clock_breakdown:
+            self.time_moe = 1000.0 * (time.perf_counter() - start)  # ms, as DeepSpeed's timers report
+        return out.reshape(x.shape)
+
+    def _run_experts(self, tokens: torch.Tensor, tokens_per_expert: tuple[int, ...],
+                     proxies: list[dict[str, torch.Tensor]] | None) -> torch.Tensor:
+        """Local expert ``e`` on its ``tokens_per_expert[e]`` rows, with its parameters replaced by
+        ``proxies[e]`` (see :class:`_ExpertGrads`). Every expert runs, even on zero rows, so each
+        expert parameter gets a gradient (zero) as it does in DeepSpeed's padded path."""
+        outs = []
+        parts = torch.split(tokens, list(tokens_per_expert))
+        for e, (part, expert) in enumerate(zip(parts, self.experts.deepspeed_experts)):
+            out = expert(part) if proxies is None else torch.func.functional_call(expert, proxies[e], (part,))
+            outs.append(out[0] if isinstance(out, tuple) else out)
+        return torch.cat(outs)
+
+
+class _ExpertGrads(torch.autograd.Function):
+    """Identity on the dispatched rows; its backward gives each expert parameter the gradient that
+    parameter's proxy accumulated over all chunks.
+
+    The pipelined runtime runs each chunk's expert graph backward separately, so a parameter used
+    directly would accumulate its gradient once per chunk, and ZeRO-2's per-parameter reduce hook
+    (``stage_1_and_2.reduce_ipg_grads``: "Gradient computed twice for this partition") would fire
+    as often. The experts run on proxies instead (leaf tensors sharing the parameters' storage);
+    this function sits upstream of the exchange, so its backward runs after every chunk's, and the
+    real parameters receive one accumulated gradient each, as with DeepSpeed's own layer."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, proxies: list[torch.Tensor],  # type: ignore[override]
+                *params: torch.Tensor) -> torch.Tensor:
+        ctx.proxies = proxies
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ctx.proxies]
+        ctx.proxies = None
+        return (grad, None, *grads)
+
+
+def _decode(y: torch.Tensor, routes: Routes, gates: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Token ``s`` = sum over its routes of gate x expert output (fp32 gates, dropped routes zero),
+    the combine of GShard Algorithm 2 (arXiv 2006.16668) as DeepSpeed computes it."""
+    padded = torch.cat([y, y.new_zeros(1, y.shape[-1])])
+    routed = padded.index_select(0, routes.row_of_route).view(gates.shape[0], num_tokens, y.shape[-1])
+    return (routed * gates.unsqueeze(-1)).sum(0).to(y.dtype)
+
+
+def _check_swappable(layer: MOELayer, name: str) -> None:
+    where = f"MoE layer {name!r}" if name else "MoE layer"
+    if isinstance(layer, PiperMOELayer):
+        raise SpecError(where, type(layer).__name__, "is already a PiperMOELayer",
+                        "swap each DeepSpeed MoE layer once (piper_deepspeed.initialize does it)")
+    if getattr(layer, "use_tutel", False):
+        raise SpecError(f"{where}.use_tutel", True, "Tutel's dispatch kernels and Piper's all-to-all both replace "
+                        "DeepSpeed's dispatch", "build the MoE layer with use_tutel=False")
+    if not hasattr(layer.experts, "deepspeed_experts"):
+        raise SpecError(f"{where}.experts", type(layer.experts).__name__, "must be DeepSpeed's Experts container "
+                        "(Piper runs each local expert on its own rows)", "build the layer with deepspeed.moe.layer.MoE")
+    if "sparse_routes" not in inspect.signature(type(layer.gate).forward).parameters:
+        raise SpecError(f"{where}.gate", type(layer.gate).__name__, "has no sparse_routes argument (DeepSpeed 0.19's "
+                        "TopKGate returns per-route experts, slots and gates, which Piper dispatches)",
+                        "upgrade DeepSpeed or disable the piper block")
+    tp = 1 if groups.mpu is None else bwc_tensor_model_parallel_world_size(groups.mpu)
+    if tp > 1:
+        raise SpecError("tensor parallel size", tp, "Piper's DeepSpeed MoE layer runs without tensor parallelism "
+                        "(its plans for DeepSpeed have tp=1)", "drop the mpu's tensor parallelism")
+
+
+def moe_modules(model: torch.nn.Module) -> list[tuple[str, MoE]]:
+    """DeepSpeed ``MoE`` modules of ``model`` with their qualified names, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def swap_moe_layers(model: torch.nn.Module, settings: A2ASettings, *, tracer: Tracer | None = None) -> list[str]:
+    """Replace the ``deepspeed_moe`` of every ``MoE`` module with ep_size > 1 by a PiperMOELayer;
+    returns the names of the swapped MoE modules. Call before ``deepspeed.initialize``."""
+    swapped = []
+    for name, module in moe_modules(model):
+        if module.ep_size > 1:
+            module.deepspeed_moe = PiperMOELayer.from_layer(module.deepspeed_moe, settings, name=name, tracer=tracer)
+            swapped.append(name)
+    return swapped
+
+
+def attach_comm(model: torch.nn.Module, topology: NodeTopology, *, timeout: timedelta = A2A_TIMEOUT) -> A2AComm | None:
+    """Create Piper's all-to-all groups over DeepSpeed's expert-parallel groups and hand them to
+    every PiperMOELayer of ``model``. Collective: every rank calls it once its layers have their
+    ``ep_group`` (set by the DeepSpeed engine, or by ``MoE.set_deepspeed_parallelism``)."""
+    layers = [m for m in model.modules() if isinstance(m, PiperMOELayer) and m.ep_size > 1]
+    mine = _ep_ranks(layers)
+    gathered: list[Sequence[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if not any(g is not None for g in gathered):
+        return None
+    missing = [r for r, g in enumerate(gathered) if g is None]
+    if missing:
+        raise SpecError("ranks", missing, "hold no expert-parallel MoE layer, while other ranks do (Piper's "
+                        "all-to-all groups span the whole job)", "give every pipeline stage a MoE layer")
+    comm = create_comm(topology, parents=sorted({tuple(g) for g in gathered}), timeout=timeout)
+    for layer in layers:
+        layer.piper_comm = comm
+    return comm
+
+
+def _ep_ranks(layers: list[PiperMOELayer]) -> tuple[int, ...] | None:
+    """Global ranks of this rank's expert-parallel group (one group for all its layers)."""
+    found = set()
+    for layer in layers:
+        if layer.ep_group is None:
+            raise RuntimeError(f"PiperMOELayer {layer.piper_name!r} has no ep_group: DeepSpeed sets it in "
+                               "deepspeed.initialize (MoE.set_deepspeed_parallelism); attach after that")
+        found.add(tuple(sorted(dist.get_process_group_ranks(layer.ep_group))))
+    if len(found) > 1:
+        raise SpecError("ep_size", sorted(len(g) for g in found), "all MoE layers of a rank must share one "
+                        "expert-parallel group", "build every MoE layer with the plan's ep_size")
+    return found.pop() if found else None
