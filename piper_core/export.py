@@ -175,8 +175,9 @@ def megatron_args(p: Prediction) -> str:
     for var, value, why in environment(plan):
         lines += [f"# {line}" for line in why] + [f"export {var}={value}"]
     lines += ["", *_bash_array("PIPER_MEGATRON_ARGS", model_flags(model) + parallel_flags(model, plan)), "",
-              "# Piper's all-to-all for the MoE layers: these flags need `python -m piper_megatron` in place of",
-              '# pretrain_gpt.py, e.g. python -m piper_megatron "${PIPER_MEGATRON_ARGS[@]}" "${PIPER_ARGS[@]}" ...',
+              "# Piper's all-to-all for the MoE layers: these flags need the Piper launcher, which runs the",
+              "# script with the sizes above pinned, e.g. torchrun ... -m piper_megatron pretrain_gpt.py",
+              f'#   "${{PIPER_MEGATRON_ARGS[@]}}" --piper --piper-cluster {p.cluster.name} "${{PIPER_ARGS[@]}}" ...',
               *_bash_array("PIPER_ARGS", piper_flags(plan))]
     return "\n".join(lines) + "\n"
 

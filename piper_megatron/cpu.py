@@ -260,3 +260,55 @@ def install_cpu_shims() -> None:
     _patch_causal_mask()
     _patch_mla_te_guard()
     _patch_tied_embedding_sync()
+
+
+# ---- training loop (mcore DDP + get_forward_backward_func), separate from the model shims ------
+
+# Module -> why its torch calls must land on the host during a training step.
+_TRAINING_MODULES: dict[str, str] = {
+    "megatron.core.pipeline_parallel.schedules":
+        "the forward-backward schedules count tokens in torch.zeros(..., device='cuda')",
+    "megatron.core.pipeline_parallel.p2p_communication":
+        "pipeline sends/receives allocate on torch.cuda.current_device() and call torch.cuda.synchronize()",
+    "megatron.core.distributed.param_and_grad_buffer":
+        "DDP's parameter and gradient buffers are allocated on torch.cuda.current_device()",
+    "megatron.core.distributed.distributed_data_parallel":
+        "DDP makes a communication torch.cuda.Stream and calls torch.cuda.synchronize()",
+}
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like", "empty_like")
+
+
+def _on_host(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """``factory`` with a CUDA ``device=`` argument redirected to the CPU."""
+
+    @functools.wraps(factory)
+    def make(*args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return make
+
+
+def _host_training_torch() -> types.ModuleType:
+    """:func:`_host_torch` whose tensor factories also turn ``device='cuda'`` into the host, and
+    whose ``cuda.synchronize``/``empty_cache`` are no-ops (host work is synchronous)."""
+    host = _host_torch()
+    cuda = _forwarding_module("torch.cuda", host.cuda, synchronize=lambda device=None: None,
+                              empty_cache=lambda: None)
+    return _forwarding_module("torch", host, cuda=cuda, **{name: _on_host(getattr(torch, name)) for name in _FACTORIES})
+
+
+def install_cpu_training_shims() -> None:
+    """:func:`install_cpu_shims` plus the training loop: Megatron-Core's DistributedDataParallel
+    and forward-backward schedules (``get_forward_backward_func``) on CPU over gloo (idempotent)."""
+    install_cpu_shims()
+    host = None
+    for name in _TRAINING_MODULES:
+        module = importlib.import_module(name)
+        if getattr(module.torch, "_piper_training_shim", False):
+            continue
+        host = host or _host_training_torch()
+        host._piper_training_shim = True
+        module.torch = host

@@ -1,0 +1,535 @@
+"""Megatron-LM's command line as Piper reads it: Piper's flags, the model spec, the sizes a user
+pinned, and the rewrite of Megatron's parallel arguments to a chosen plan.
+
+Pure Python over ``argparse`` namespaces and the specs (no torch, no Megatron import), so that
+``python -m piper_megatron ... --piper-plan-only`` plans from a laptop. Two sources of a namespace
+with Megatron's attribute names feed :func:`model_spec_from_args`: Megatron's own parsed arguments
+(inside the ``validate_args`` hook, :mod:`piper_megatron.install`) and, for plan-only runs,
+:func:`parse_megatron_args`, whose flags, types and defaults are Megatron's
+(``megatron/training/arguments.py`` at core_v0.16.1 and 0.19.2, where most of these flags are
+generated from ``TransformerConfig`` fields; tests compare both against the real parsers).
+Flag names for the rewrite come from :func:`piper_core.export.parallel_flags`, the spec -> flags
+mapping checked against Megatron's parser; this module is its inverse for the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from piper_core.errors import SpecError
+from piper_core.export import parallel_flags
+from piper_core.scheduler.space import A2A_CHOICES, SearchSpace
+from piper_core.specs.model import MLASpec, ModelSpec
+from piper_core.specs.parallel import ParallelPlan
+
+A2AFlag = Literal["auto", "flat", "hierarchical", "pipelined"]
+A2A_FLAGS: tuple[str, ...] = ("auto", "flat", "hierarchical", "pipelined")
+GPT2_BPE_VOCAB = 50257  # len(encoder) of GPT-2's vocab.json (Megatron _GPT2BPETokenizer.vocab_size)
+
+
+# ---- Piper's flags -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PiperOptions:
+    """Piper's flags, checked. ``chunks`` None means auto (the scheduler picks); ``world_size``
+    (``--piper-world-size``) stands in for the launcher's WORLD_SIZE in plan-only runs."""
+
+    enabled: bool
+    cluster: str | None = None
+    profile: Path | None = None
+    a2a: A2AFlag = "auto"
+    chunks: int | None = None
+    plan_only: bool = False
+    trace: Path | None = None
+    world_size: int | None = None
+
+
+def _chunks(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--piper-chunks {text!r}: give 'auto' or a whole number >= 1")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def add_piper_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add Piper's flags to ``parser`` (Megatron's ``extra_args_provider`` shape: returns it)."""
+    group = parser.add_argument_group("Piper", "plan the parallel layout and run Piper's MoE all-to-all")
+    group.add_argument("--piper", action="store_true",
+                       help="plan tp/pp/vpp/ep/etp/cp, micro batch and recompute for this job and use "
+                            "Piper's token dispatcher; sizes given on the command line are kept")
+    group.add_argument("--piper-cluster", metavar="NAME|YAML", help="cluster preset name or ClusterSpec YAML")
+    group.add_argument("--piper-profile", metavar="YAML", type=Path,
+                       help="calibrated cluster profile (for now: a ClusterSpec YAML, used in place of "
+                            "--piper-cluster)")
+    group.add_argument("--piper-a2a", choices=A2A_FLAGS, default="auto",
+                       help="MoE all-to-all: auto (the scheduler picks), flat, hierarchical or pipelined")
+    group.add_argument("--piper-chunks", type=_chunks, default=None, metavar="N|auto",
+                       help="chunks of the pipelined all-to-all (default auto)")
+    group.add_argument("--piper-plan-only", action="store_true", help="print the plan and exit")
+    group.add_argument("--piper-trace", type=Path, metavar="FILE",
+                       help="write per-layer, per-rank dispatch/expert/combine times as JSON lines")
+    group.add_argument("--piper-world-size", type=_positive, metavar="N",
+                       help="world size to plan for with --piper-plan-only when no launcher sets WORLD_SIZE")
+    return parser
+
+
+def piper_options(ns: argparse.Namespace) -> PiperOptions:
+    """:class:`PiperOptions` from a namespace holding Piper's flags (SpecError on a bad mix)."""
+    chunks = getattr(ns, "piper_chunks", None)
+    options = PiperOptions(enabled=bool(getattr(ns, "piper", False)), cluster=getattr(ns, "piper_cluster", None),
+                           profile=getattr(ns, "piper_profile", None), a2a=getattr(ns, "piper_a2a", "auto"),
+                           chunks=chunks, plan_only=bool(getattr(ns, "piper_plan_only", False)),
+                           trace=getattr(ns, "piper_trace", None), world_size=getattr(ns, "piper_world_size", None))
+    given = [flag for flag, on in (("--piper-cluster", options.cluster), ("--piper-profile", options.profile),
+                                   ("--piper-a2a", options.a2a != "auto"), ("--piper-chunks", chunks),
+                                   ("--piper-plan-only", options.plan_only), ("--piper-trace", options.trace),
+                                   ("--piper-world-size", options.world_size)) if on]
+    if given and not options.enabled:
+        raise SpecError(given[0], "given", "Piper's flags act only together with --piper (without it nothing of "
+                        "Megatron is changed)", "add --piper, or drop " + ", ".join(given))
+    if chunks == 1 and options.a2a == "pipelined":
+        raise SpecError("--piper-chunks", 1, "the pipelined all-to-all overlaps chunk k+1's exchange with chunk k's "
+                        "experts, so it needs 2 chunks or more", "use --piper-chunks 2 (or auto), or --piper-a2a flat")
+    if chunks is not None and chunks > 1 and options.a2a in ("flat", "hierarchical"):
+        raise SpecError("--piper-chunks", chunks, f"chunks apply to the pipelined all-to-all, not --piper-a2a "
+                        f"{options.a2a}", "use --piper-a2a pipelined (or auto), or --piper-chunks 1")
+    if options.world_size is not None and not options.plan_only:
+        raise SpecError("--piper-world-size", options.world_size, "stands in for the launcher only when "
+                        "planning (--piper-plan-only); a real run takes its world size from the launcher",
+                        "add --piper-plan-only, or drop --piper-world-size and launch with torchrun")
+    if options.profile is not None and options.profile.suffix not in (".yaml", ".yml"):
+        raise SpecError("--piper-profile", str(options.profile), "must be a YAML file (.yaml or .yml)",
+                        "pass the path of a ClusterSpec YAML")
+    return options
+
+
+def parse_piper_options(argv: Sequence[str]) -> PiperOptions:
+    """Piper's flags from a command line that also holds Megatron's (those are ignored here)."""
+    parser = add_piper_arguments(argparse.ArgumentParser(prog="piper_megatron", allow_abbrev=False,
+                                                         add_help=False))
+    known, _ = parser.parse_known_args(list(argv))
+    return piper_options(known)
+
+
+# ---- Megatron's flags (for planning without megatron.training) -------------------------------
+
+def _moe_freq(text: str) -> int | list[int]:
+    """Megatron's ``moe_freq_type``: an int N, or a list expression such as ``([0]*3+[1]*58)``."""
+    if "[" not in text:
+        return int(text)
+    return eval_layer_pattern(text)
+
+
+# (flag, dest, type, default): Megatron's, read from its parser (tests compare them).
+_MODEL_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, Any], ...] = (
+    ("--num-layers", "num_layers", int, None), ("--hidden-size", "hidden_size", int, None),
+    ("--ffn-hidden-size", "ffn_hidden_size", int, None), ("--num-attention-heads", "num_attention_heads", int, None),
+    ("--num-query-groups", "num_query_groups", int, 1), ("--kv-channels", "kv_channels", int, None),
+    ("--num-experts", "num_experts", int, None), ("--moe-ffn-hidden-size", "moe_ffn_hidden_size", int, None),
+    ("--moe-router-topk", "moe_router_topk", int, 2),
+    ("--moe-shared-expert-intermediate-size", "moe_shared_expert_intermediate_size", int, None),
+    ("--moe-layer-freq", "moe_layer_freq", _moe_freq, 1),
+    ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", float, None),
+    ("--seq-length", "seq_length", int, None), ("--vocab-size", "vocab_size", int, None),
+    ("--vocab-file", "vocab_file", str, None), ("--tokenizer-type", "tokenizer_type", str, None),
+    ("--normalization", "normalization", str, "LayerNorm"),
+    ("--q-lora-rank", "q_lora_rank", int, None), ("--kv-lora-rank", "kv_lora_rank", int, 32),
+    ("--qk-head-dim", "qk_head_dim", int, 128), ("--qk-pos-emb-head-dim", "qk_pos_emb_head_dim", int, 64),
+    ("--v-head-dim", "v_head_dim", int, 128),
+    ("--position-embedding-type", "position_embedding_type", str, "learned_absolute"),
+    ("--make-vocab-size-divisible-by", "make_vocab_size_divisible_by", int, 128),
+    ("--attention-dropout", "attention_dropout", float, 0.1), ("--hidden-dropout", "hidden_dropout", float, 0.1),
+    ("--moe-token-dispatcher-type", "moe_token_dispatcher_type", str, "allgather"),
+    ("--attention-backend", "attention_backend", str, "auto"),
+    ("--global-batch-size", "global_batch_size", int, None), ("--micro-batch-size", "micro_batch_size", int, None),
+)
+# (flag, dest, default) of store_true switches; --disable-bias-linear is Megatron's store_false.
+_MODEL_SWITCHES: tuple[tuple[str, str, bool], ...] = (
+    ("--group-query-attention", "group_query_attention", False), ("--swiglu", "swiglu", False),
+    ("--untie-embeddings-and-output-weights", "untie_embeddings_and_output_weights", False),
+    ("--qk-layernorm", "qk_layernorm", False), ("--multi-latent-attention", "multi_latent_attention", False),
+    ("--add-qkv-bias", "add_qkv_bias", False), ("--bf16", "bf16", False), ("--fp16", "fp16", False),
+    ("--use-checkpoint-args", "use_checkpoint_args", False), ("--overlap-grad-reduce", "overlap_grad_reduce", False),
+    ("--overlap-param-gather", "overlap_param_gather", False),
+    ("--use-precision-aware-optimizer", "use_precision_aware_optimizer", False),
+)
+
+
+def parse_megatron_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The model, batch and precision flags of ``pretrain_gpt.py`` from ``argv`` with Megatron's
+    defaults (other flags are ignored), plus the parallel sizes as Megatron's parser leaves them."""
+    parser = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False, add_help=False)
+    for flag, dest, kind, default in _MODEL_FLAGS:
+        parser.add_argument(flag, dest=dest, type=kind, default=default)
+    for flag, dest, default in _MODEL_SWITCHES:
+        parser.add_argument(flag, dest=dest, action="store_true", default=default)
+    parser.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=True)
+    for flag, (dest, kind, default) in _PINNABLE.items():
+        if not any(a.dest == dest for a in parser._actions):
+            parser.add_argument(flag, dest=dest, **({"action": "store_true", "default": False} if kind is None
+                                                     else {"type": kind, "default": default}))
+    known, _ = parser.parse_known_args(list(argv))
+    return known
+
+
+# ---- Megatron arguments -> ModelSpec -------------------------------------------------------------
+
+def eval_layer_pattern(text: str) -> list[int]:
+    """A ``--moe-layer-freq`` list expression (``[1]*3+[0]`` style: lists, ints, ``+``, ``*``),
+    evaluated without ``eval``."""
+    def value(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, (ast.List, ast.Tuple)):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(ast.dump(node))
+
+    try:
+        result = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        result = None
+    if not isinstance(result, list) or any(v not in (0, 1) for v in result):
+        raise SpecError("--moe-layer-freq", text, "must be an int or a list expression of 0/1 per layer",
+                        "write e.g. 1, 2 or '([0]*3+[1]*58)'")
+    return result
+
+
+def moe_layout(freq: int | str | Sequence[int], num_layers: int) -> tuple[int, int]:
+    """(moe_first_k_dense, moe_layer_freq) of ModelSpec for Megatron's ``--moe-layer-freq``."""
+    if isinstance(freq, str):
+        freq = _moe_freq(freq)
+    if isinstance(freq, int):
+        return 0, freq
+    pattern = tuple(bool(v) for v in freq)
+    if len(pattern) != num_layers:
+        raise SpecError("--moe-layer-freq", list(freq), f"lists {len(pattern)} layers, the model has {num_layers}",
+                        "give one 0/1 per layer")
+    first = pattern.index(True) if True in pattern else num_layers
+    for every in range(1, num_layers + 1):
+        for k in range(first + 1):  # ModelSpec's rule: layer i is MoE when i >= k and i % every == 0
+            if all(moe == (i >= k and i % every == 0) for i, moe in enumerate(pattern)):
+                return k, every
+    raise SpecError("--moe-layer-freq", list(freq), "Piper models MoE layers as leading dense layers, then every "
+                    "N-th layer (ModelSpec moe_first_k_dense, moe_layer_freq); this pattern is not of that form",
+                    "use a pattern such as ([0]*3+[1]*58) or ([1,0]*12), or plan without --piper")
+
+
+def vocab_size(ns: argparse.Namespace, defaults: Mapping[str, Any]) -> int:
+    """Vocabulary before padding, as Megatron's tokenizer reports it.
+
+    ``--vocab-size`` when given (NullTokenizer's size; 0.16's NullTokenizer appends one EOD token
+    to it, 0.19's does not: at most one padding step apart, ignored here); GPT2BPETokenizer: the
+    entries of ``--vocab-file`` when readable, else GPT-2's 50257. Other tokenizers must be loaded
+    to know, so ``--vocab-size`` is required (they ignore it). ``defaults``: the script's
+    ``args_defaults`` (pretrain_gpt.py defaults the tokenizer to GPT2BPETokenizer).
+    """
+    tokenizer = getattr(ns, "tokenizer_type", None) or defaults.get("tokenizer_type")
+    given = getattr(ns, "vocab_size", None)
+    if given is not None:
+        return given
+    if tokenizer == "GPT2BPETokenizer":
+        path = getattr(ns, "vocab_file", None)
+        if path and Path(path).is_file():
+            return len(json.loads(Path(path).read_text()))
+        return GPT2_BPE_VOCAB
+    raise SpecError("--vocab-size", None, f"Piper needs the vocabulary size and cannot read it from "
+                    f"--tokenizer-type {tokenizer} without loading the tokenizer",
+                    "add --vocab-size N (Megatron uses it only for NullTokenizer; other tokenizers ignore it)")
+
+
+def _required(ns: argparse.Namespace, dest: str) -> int:
+    value = getattr(ns, dest, None)
+    if value is None:
+        flag = "--" + dest.replace("_", "-")
+        raise SpecError(flag, None, "is required with --piper (the model spec needs it)", f"add {flag} N")
+    return value
+
+
+def _position(ns: argparse.Namespace) -> str:
+    kind = getattr(ns, "position_embedding_type", "learned_absolute")
+    if kind not in ("rope", "learned_absolute", "none"):
+        raise SpecError("--position-embedding-type", kind, "Piper models rope, learned_absolute and none",
+                        "choose one of those, or plan without --piper")
+    return kind
+
+
+def _mla(ns: argparse.Namespace) -> MLASpec | None:
+    if not getattr(ns, "multi_latent_attention", False):
+        return None
+    return MLASpec(q_lora_rank=ns.q_lora_rank, kv_lora_rank=ns.kv_lora_rank, qk_head_dim=ns.qk_head_dim,
+                   qk_pos_emb_head_dim=ns.qk_pos_emb_head_dim, v_head_dim=ns.v_head_dim)
+
+
+def model_name(spec_fields: Mapping[str, Any]) -> str:
+    """A short name for a model read off a command line, e.g. ``gpt-24L-4096H-512E-top1``."""
+    name = f"gpt-{spec_fields['num_layers']}L-{spec_fields['hidden_size']}H"
+    if spec_fields.get("num_experts"):
+        name += f"-{spec_fields['num_experts']}E-top{spec_fields['moe_router_topk']}"
+    return name
+
+
+def model_spec_from_args(ns: argparse.Namespace, defaults: Mapping[str, Any] | None = None) -> ModelSpec:
+    """The ModelSpec of the GPT model Megatron builds from ``ns`` (Megatron's argument names).
+
+    Defaults that ``validate_args`` fills (it has not run yet) follow its rules: ffn_hidden_size
+    4h, or int(8h/3 / 64) * 64 with --swiglu; moe_ffn_hidden_size = ffn_hidden_size; query groups
+    only with --group-query-attention. ``defaults`` is the script's ``args_defaults``.
+    """
+    defaults = defaults or {}
+    hidden = _required(ns, "hidden_size")
+    swiglu = bool(getattr(ns, "swiglu", False))
+    ffn = getattr(ns, "ffn_hidden_size", None) or (int((4 * hidden * 2 / 3) / 64) * 64 if swiglu else 4 * hidden)
+    layers, experts = _required(ns, "num_layers"), getattr(ns, "num_experts", None) or 0
+    fields: dict[str, Any] = dict(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=_required(ns, "num_attention_heads"),
+        num_query_groups=ns.num_query_groups if getattr(ns, "group_query_attention", False) else None,
+        kv_channels=getattr(ns, "kv_channels", None), ffn_hidden_size=ffn, num_experts=experts,
+        seq_length=_required(ns, "seq_length"), vocab_size=vocab_size(ns, defaults),
+        make_vocab_size_divisible_by=getattr(ns, "make_vocab_size_divisible_by", 128), gated_linear_unit=swiglu,
+        tie_embeddings=not getattr(ns, "untie_embeddings_and_output_weights", False),
+        normalization=getattr(ns, "normalization", "LayerNorm"), add_bias_linear=getattr(ns, "add_bias_linear", True),
+        add_qkv_bias=bool(getattr(ns, "add_qkv_bias", False)), qk_layernorm=bool(getattr(ns, "qk_layernorm", False)),
+        position_embedding=_position(ns), attention_dropout=getattr(ns, "attention_dropout", 0.1),
+        hidden_dropout=getattr(ns, "hidden_dropout", 0.1), mla=_mla(ns),
+    )
+    if fields["mla"] is not None:
+        fields.update(num_query_groups=None, kv_channels=None)
+    if experts:
+        first_k, freq = moe_layout(getattr(ns, "moe_layer_freq", 1), layers)
+        fields.update(moe_ffn_hidden_size=getattr(ns, "moe_ffn_hidden_size", None) or ffn,
+                      moe_router_topk=getattr(ns, "moe_router_topk", 2), moe_first_k_dense=first_k,
+                      moe_layer_freq=freq,
+                      moe_shared_expert_intermediate_size=getattr(ns, "moe_shared_expert_intermediate_size", None) or 0,
+                      moe_capacity_factor=getattr(ns, "moe_expert_capacity_factor", None))
+    try:
+        return ModelSpec(name=model_name(fields), **fields)
+    except SpecError as exc:
+        raise SpecError(exc.key, exc.value, exc.rule, exc.fix, where="model read from the Megatron arguments") from exc
+
+
+# ---- pinned sizes ----------------------------------------------------------------------------------
+
+# flag -> (dest, type (None: a switch), Megatron default): sizes and options the search chooses.
+_PINNABLE: dict[str, tuple[str, Callable[[str], Any] | None, Any]] = {
+    "--tensor-model-parallel-size": ("tensor_model_parallel_size", int, 1),
+    "--pipeline-model-parallel-size": ("pipeline_model_parallel_size", int, 1),
+    "--num-layers-per-virtual-pipeline-stage": ("num_layers_per_virtual_pipeline_stage", int, None),
+    "--num-virtual-stages-per-pipeline-rank": ("num_virtual_stages_per_pipeline_rank", int, None),
+    "--decoder-first-pipeline-num-layers": ("decoder_first_pipeline_num_layers", int, None),
+    "--decoder-last-pipeline-num-layers": ("decoder_last_pipeline_num_layers", int, None),
+    "--context-parallel-size": ("context_parallel_size", int, 1),
+    "--expert-model-parallel-size": ("expert_model_parallel_size", int, 1),
+    "--expert-tensor-parallel-size": ("expert_tensor_parallel_size", int, None),
+    "--micro-batch-size": ("micro_batch_size", int, None),
+    "--recompute-granularity": ("recompute_granularity", str, None),
+    "--recompute-method": ("recompute_method", str, None),
+    "--recompute-num-layers": ("recompute_num_layers", int, None),
+    "--sequence-parallel": ("sequence_parallel", None, False),
+    "--use-distributed-optimizer": ("use_distributed_optimizer", None, False),
+    "--grad-reduce-in-bf16": ("grad_reduce_in_bf16", None, False),
+    "--optimizer-cpu-offload": ("optimizer_cpu_offload", None, False),
+    "--optimizer-offload-fraction": ("optimizer_offload_fraction", float, 1.0),
+    "--moe-token-dispatcher-type": ("moe_token_dispatcher_type", str, "allgather"),
+    "--moe-shared-expert-overlap": ("moe_shared_expert_overlap", None, False),
+}
+
+
+def explicit_flags(argv: Sequence[str]) -> dict[str, Any]:
+    """dest -> value of every pinnable flag written on the command line (defaults suppressed)."""
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False, argument_default=argparse.SUPPRESS)
+    for flag, (dest, kind, _) in _PINNABLE.items():
+        if kind is None:
+            parser.add_argument(flag, dest=dest, action="store_true")
+        else:
+            parser.add_argument(flag, dest=dest, type=kind)
+    known, _ = parser.parse_known_args(list(argv))
+    return vars(known)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pins:
+    """What the command line fixed (dest -> value, as written) and the search must keep."""
+
+    given: tuple[tuple[str, Any], ...]
+    a2a: A2AFlag = "auto"
+    chunks: int | None = None
+
+    @property
+    def values(self) -> dict[str, Any]:
+        return dict(self.given)
+
+    def describe(self) -> str:
+        """e.g. ``--tensor-model-parallel-size 4, --piper-a2a pipelined`` (or ``none``)."""
+        flags = {dest: flag for flag, (dest, _, _) in _PINNABLE.items()}
+        parts = [flags[d] if v is True else f"{flags[d]} {v}" for d, v in self.given]
+        parts += [f"--piper-a2a {self.a2a}"] if self.a2a != "auto" else []
+        parts += [f"--piper-chunks {self.chunks}"] if self.chunks is not None else []
+        return ", ".join(parts) or "none"
+
+
+def pins_from(argv: Sequence[str], options: PiperOptions) -> Pins:
+    """The pins of a command line; rejects flags the search cannot honour (SpecError)."""
+    given = explicit_flags(argv)
+    if "decoder_first_pipeline_num_layers" in given:
+        raise SpecError("--decoder-first-pipeline-num-layers", given["decoder_first_pipeline_num_layers"],
+                        "Piper's search splits layers evenly or shortens the last stage only",
+                        "drop it (or use --decoder-last-pipeline-num-layers), or run without --piper")
+    dispatcher = given.get("moe_token_dispatcher_type", "alltoall")
+    if dispatcher != "alltoall":
+        raise SpecError("--moe-token-dispatcher-type", dispatcher, "--piper replaces Megatron's alltoall token "
+                        "dispatcher with Piper's; other dispatchers cannot be combined with it",
+                        "drop the flag, or plan with `piper plan --export-megatron` and run without --piper")
+    if given.get("moe_shared_expert_overlap"):
+        raise SpecError("--moe-shared-expert-overlap", True, "Piper's dispatcher runs its own exchanges "
+                        "(Megatron overlaps the shared expert inside the stock token_dispatch/token_combine)",
+                        "drop --moe-shared-expert-overlap")
+    etp = given.get("expert_tensor_parallel_size")
+    if etp is not None and etp != 1:
+        raise SpecError("--expert-tensor-parallel-size", etp, "Piper's token dispatcher runs with expert "
+                        "tensor parallel size 1 (experts whole on each expert-parallel rank)",
+                        "drop the flag or set it to 1, or run without --piper")
+    return Pins(given=tuple(sorted(given.items())), a2a=options.a2a, chunks=options.chunks)
+
+
+def _a2a_choices(pins: Pins) -> tuple[tuple[str, int], ...]:
+    if pins.a2a == "pipelined":
+        chunks = (pins.chunks,) if pins.chunks else tuple(c for a, c in A2A_CHOICES if a == "pipelined")
+        return tuple(("pipelined", c) for c in chunks)
+    if pins.a2a != "auto":
+        return ((pins.a2a, 1),)
+    if pins.chunks is None:
+        return A2A_CHOICES
+    return (("pipelined", pins.chunks),) if pins.chunks > 1 else tuple(c for c in A2A_CHOICES if c[1] == 1)
+
+
+def restrict(space: SearchSpace, pins: Pins) -> SearchSpace:
+    """``space`` with each pinned dimension reduced to the pinned value (which may lie outside the
+    default range), the expert tensor parallel size at 1 (Piper's dispatcher) and the all-to-all
+    choices of ``--piper-a2a``/``--piper-chunks``."""
+    v = pins.values
+    out: dict[str, Any] = {"etp_equals_tp": (False,), "a2a": _a2a_choices(pins)}
+    for dest, dim in (("tensor_model_parallel_size", "tp"), ("pipeline_model_parallel_size", "pp"),
+                      ("context_parallel_size", "cp"), ("expert_model_parallel_size", "ep"),
+                      ("micro_batch_size", "mbs"), ("num_virtual_stages_per_pipeline_rank", "vpp")):
+        if dest in v:
+            out[dim] = (v[dest],)
+    if pins.a2a != "auto" or (pins.chunks or 1) > 1:  # a chosen all-to-all needs expert parallelism
+        out["ep"] = tuple(e for e in out.get("ep", space.ep) if e > 1)
+        if not out["ep"]:
+            raise SpecError("--piper-a2a/--piper-chunks", f"{pins.a2a}/{pins.chunks or 'auto'}", "choose the "
+                            "expert all-to-all, which needs expert parallelism (ep > 1; the model has no experts or "
+                            "ep is pinned to 1)", "drop --piper-a2a/--piper-chunks or pin ep > 1")
+    if v.get("sequence_parallel") and "tensor_model_parallel_size" not in v:
+        out["tp"] = tuple(t for t in space.tp if t > 1) or space.tp
+    if "recompute_granularity" in v:
+        out["recompute"] = (v["recompute_granularity"],)
+    if v.get("use_distributed_optimizer"):
+        out["distributed_optimizer"] = (True,)
+    savers = space.memory_savers
+    if v.get("grad_reduce_in_bf16"):
+        savers = tuple(s for s in savers if s[0])
+    if v.get("optimizer_cpu_offload"):
+        fraction = v.get("optimizer_offload_fraction", 1.0)
+        savers = tuple((bf16, fraction) for bf16, offload in savers if offload > 0) or ((True, fraction),)
+        out["distributed_optimizer"] = (True,)
+    out["memory_savers"] = savers
+    return dataclasses.replace(space, **out)
+
+
+def admits(plan: ParallelPlan, model: ModelSpec, pins: Pins) -> bool:
+    """Pins the search space cannot express: layers per virtual stage and the last stage's layers."""
+    v = pins.values
+    per_vstage = v.get("num_layers_per_virtual_pipeline_stage")
+    if per_vstage is not None and (plan.vpp or 1) * plan.pp * per_vstage != model.num_layers:
+        return False
+    last = v.get("decoder_last_pipeline_num_layers")
+    return last is None or plan.num_layers_in_last_pipeline_stage == last
+
+
+# ---- rewrite -----------------------------------------------------------------------------------------
+
+# Settings the plan owns: when a plan leaves one out, it is reset to Megatron's default so that a
+# value from the command line cannot contradict the plan (explicit flags are never reset: pinned).
+_RESETS: dict[str, Any] = {
+    "num_layers_per_virtual_pipeline_stage": None, "num_virtual_stages_per_pipeline_rank": None,
+    "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
+    "sequence_parallel": False, "recompute_granularity": None, "recompute_method": None,
+    "recompute_num_layers": None, "use_distributed_optimizer": False, "grad_reduce_in_bf16": False,
+    "optimizer_cpu_offload": False,
+}
+# export.parallel_flags dests that are inputs to the plan, not choices of it.
+_INPUTS = frozenset({"global_batch_size", "bf16", "fp16", "attention_backend"})
+_VPP = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank")
+
+
+def megatron_settings(model: ModelSpec, plan: ParallelPlan, pins: Pins) -> dict[str, Any]:
+    """dest -> value for Megatron's arguments under ``plan`` (flag names from
+    :func:`piper_core.export.parallel_flags`, in its order, then the resets), without the dests
+    the user gave explicitly."""
+    settings: dict[str, Any] = {}
+    for flag, value in parallel_flags(model, plan):
+        dest = flag[2:].replace("-", "_")
+        if dest not in _INPUTS:
+            settings[dest] = True if value is None else value
+    if model.is_moe:
+        settings["moe_token_dispatcher_type"] = "alltoall"
+    settings |= {dest: value for dest, value in _RESETS.items() if dest not in settings}
+    given = pins.values
+    skip = set(given) | (set(_VPP) if any(d in given for d in _VPP) else set())
+    if "recompute_granularity" in given:
+        skip |= {"recompute_method", "recompute_num_layers"}
+    return {dest: value for dest, value in settings.items() if dest not in skip}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Change:
+    dest: str
+    old: Any
+    new: Any
+
+    def describe(self) -> str:
+        """e.g. ``--tensor-model-parallel-size 4 (was 1)``, ``--sequence-parallel (was off)``."""
+        return f"--{self.dest.replace('_', '-')} {_show(self.new)} (was {_show(self.old)})"
+
+
+def _show(value: Any) -> str:
+    """A switch as on/off, an absent value as unset, anything else as written."""
+    if value is None:
+        return "unset"
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
+
+
+def apply_settings(ns: argparse.Namespace, settings: Mapping[str, Any]) -> list[Change]:
+    """Set ``settings`` on Megatron's namespace; the changes made, in order."""
+    changes = []
+    for dest, value in settings.items():
+        old = getattr(ns, dest, None)
+        if old != value:
+            setattr(ns, dest, value)
+            changes.append(Change(dest=dest, old=old, new=value))
+    return changes

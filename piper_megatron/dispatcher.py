@@ -1,0 +1,285 @@
+"""Piper's token dispatcher for Megatron-Core MoE layers: the runtime all-to-all of
+:mod:`piper_core.runtime` (flat, hierarchical, aggregated; pipelined in chunks) in place of
+Megatron's ``all_to_all_single``.
+
+Megatron has no dispatcher registry: ``MoELayer.__init__`` instantiates the module-level name
+``moe_layer.MoEAlltoAllTokenDispatcher`` when ``moe_token_dispatcher_type == 'alltoall'``, so
+:func:`install_dispatcher` rebinds that name to a subclass bound to one :class:`A2AComm` (before the
+model is built), and returns a :class:`Patches` handle that undoes it.
+
+What the subclass changes (phases of ``MoEAlltoAllTokenDispatcher``, 0.16-0.19):
+
+* ``preprocess``: one all-gather of every EP member's tokens per expert (``exchange_counts``; the
+  stock dispatcher all-gathers the same counts over the tp x ep group) gives the ``[W, E]`` count
+  matrix; Megatron's split and sort metadata follow from it, and ``plan_dispatch`` plans the step.
+* ``token_dispatch`` / ``token_combine`` (unpipelined: one chunk): the planned exchanges, autograd-
+  aware; Megatron's own ``dispatch_postprocess``/``combine_preprocess`` still sort by local expert,
+  so the phases stay separate and Megatron's schedules that call them one by one keep working.
+* Pipelined (chunks > 1): dispatch, experts and combine are fused into one
+  :func:`piper_core.runtime.moe_alltoall` call, which posts chunk ``k + 1``'s exchange before chunk
+  ``k``'s experts run, in forward and backward. Megatron calls the experts from
+  ``MoELayer.routed_experts_compute``, so that method is rebound too (for layers whose dispatcher
+  is Piper's; others run the original): ``token_dispatch`` and ``token_combine`` pass tokens
+  through, and ``routed_experts_compute`` runs the fused exchange with the layer's experts.
+
+Supported: expert tensor parallel size 1 (experts whole on each EP rank), no shared-expert overlap
+(0.19 runs it inside the stock ``token_dispatch``); pipelined also needs Megatron's own a2a-overlap
+and delayed-wgrad features off. Each is checked when a layer is built (SpecError).
+State between phases (the frozen ``DispatchMeta``) lives on the dispatcher, as Megatron's own
+split sizes do: Megatron calls the phases as methods with no other place to keep it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.moe import moe_layer
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+from piper_core.errors import SpecError
+from piper_core.runtime import (
+    A2AComm,
+    Algorithm,
+    DispatchMeta,
+    NodeTopology,
+    ScheduleEvent,
+    create_comm,
+    exchange,
+    exchange_counts,
+    moe_alltoall,
+    plan_dispatch,
+)
+from piper_megatron.trace import LayerRecord, Tracer
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DispatchSettings:
+    """How the MoE all-to-all runs: ``algorithm`` per exchange, in ``chunks`` (> 1: pipelined)."""
+
+    algorithm: Algorithm = Algorithm.FLAT
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunks, int) or self.chunks < 1:
+            raise SpecError("chunks", self.chunks, "must be an int >= 1", "use 1 for the unpipelined exchange")
+
+    @classmethod
+    def from_plan(cls, a2a: str, chunks: int) -> DispatchSettings:
+        """A ParallelPlan's ``a2a``/``a2a_chunks``: pipelined chunks run flat exchanges, as the
+        step-time model prices them (piper_core/timing/layer.py ``_a2a_one_way``)."""
+        if a2a == "pipelined":
+            return cls(algorithm=Algorithm.FLAT, chunks=chunks)
+        return cls(algorithm=Algorithm(a2a), chunks=1)
+
+    @property
+    def pipelined(self) -> bool:
+        return self.chunks > 1
+
+    def describe(self) -> str:
+        if self.pipelined:
+            return (f"Piper pipelined all-to-all: {self.chunks} chunks of {self.algorithm.value} exchanges, chunk "
+                    "k+1's exchange overlapping chunk k's experts")
+        return f"Piper {self.algorithm.value} all-to-all"
+
+
+def expert_parallel_groups() -> list[tuple[int, ...]]:
+    """Global ranks of every expert-parallel group of the job (collective over the job)."""
+    mine = tuple(dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group()))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return sorted(set(everyone))
+
+
+def create_ep_comm(topology: NodeTopology, *, timeout: timedelta = timedelta(seconds=60),
+                   host_timeout: bool = True) -> A2AComm:
+    """The runtime's groups for this rank's expert-parallel group, after
+    ``parallel_state.initialize_model_parallel`` (collective: every rank of the job calls it)."""
+    return create_comm(topology, parents=expert_parallel_groups(), timeout=timeout, host_timeout=host_timeout)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Binding:
+    comm: A2AComm
+    settings: DispatchSettings
+    tracer: Tracer | None
+
+
+class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """``MoEAlltoAllTokenDispatcher`` whose exchanges are Piper's (see the module docstring).
+
+    Used through the subclass :func:`install_dispatcher` makes, which carries the comm, the
+    settings and the tracer (``MoELayer`` constructs dispatchers with fixed arguments).
+    """
+
+    binding: ClassVar[_Binding]
+
+    def __init__(self, num_local_experts: int, local_expert_indices: list[int], config: Any,
+                 pg_collection: Any = None) -> None:
+        super().__init__(num_local_experts, local_expert_indices, config=config, pg_collection=pg_collection)
+        binding = getattr(type(self), "binding", None)
+        if binding is None:
+            raise SpecError("PiperTokenDispatcher", "unbound", "needs a comm and settings",
+                            "build layers after piper_megatron.dispatcher.install_dispatcher(comm, settings)")
+        self._check(binding, config)
+        self._meta: DispatchMeta | None = None
+        self._record: LayerRecord | None = None
+
+    def _check(self, binding: _Binding, config: Any) -> None:
+        ranks = tuple(dist.get_process_group_ranks(self.ep_group))
+        if ranks != binding.comm.layout.ranks:
+            raise SpecError("expert-parallel group", ranks, f"differs from the Piper comm's group "
+                            f"{binding.comm.layout.ranks}", "create the comm after initialize_model_parallel, "
+                            "from the same expert-parallel groups (create_ep_comm)")
+        if self.tp_size != 1:
+            raise SpecError("expert_tensor_parallel_size", self.tp_size, "Piper's dispatcher keeps each expert "
+                            "whole on its expert-parallel rank", "set --expert-tensor-parallel-size 1")
+        if config.moe_shared_expert_overlap:
+            raise SpecError("moe_shared_expert_overlap", True, "Megatron overlaps the shared expert inside the "
+                            "stock token_dispatch/token_combine, which Piper's dispatcher replaces",
+                            "turn moe_shared_expert_overlap off")
+        if binding.settings.pipelined:
+            for key in ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
+                        "overlap_dispatch_backward_with_experts_wgrad"):
+                if getattr(config, key, False):
+                    raise SpecError(key, True, "the pipelined all-to-all fuses dispatch, experts and combine, "
+                                    "which Megatron's own a2a/wgrad overlap splits into schedule nodes",
+                                    f"turn {key} off, or use an unpipelined all-to-all (chunks 1)")
+
+    # ---- metadata ----------------------------------------------------------------------------
+    def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
+        """Megatron's per-step metadata and Piper's plan, from one all-gather of the counts."""
+        comm, settings = self.binding.comm, self.binding.settings
+        if self.drop_and_pad:  # every (source, expert) run is padded to capacity: no exchange needed
+            tokens_per_expert = super().preprocess(routing_map)
+            counts = torch.full((comm.size, self.num_experts), self.capacity, dtype=torch.long)
+        else:
+            counts = exchange_counts(routing_map.sum(dim=0).long(), comm=comm)
+            tokens_per_expert = self._megatron_metadata(counts, routing_map)
+        self._meta = plan_dispatch(counts, comm=comm, algorithm=settings.algorithm, chunks=settings.chunks,
+                                   device=routing_map.device)
+        return tokens_per_expert
+
+    def _megatron_metadata(self, counts: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """What the stock ``preprocess`` derives from its gathered counts (expert tp size 1), from
+        ``counts`` [W, E] on the host: splits, tokens per local expert, the output size."""
+        me, per = self.binding.comm.me, self.num_local_experts
+        mine = counts[:, me * per:(me + 1) * per]  # [W, local experts]: tokens each member sends here
+        dynamic = self.config.moe_expert_capacity_factor is not None or self.config.moe_router_padding_for_quantization
+        self.num_out_tokens = int(counts[me].sum()) if dynamic else routing_map.size(0) * self.config.moe_router_topk
+        self.input_splits = counts[me].reshape(-1, per).sum(dim=1).numpy()
+        self.output_splits = mine.sum(dim=1).numpy()
+        self.output_splits_tp = mine.sum().reshape(1).numpy()
+        if per > 1:
+            self.num_global_tokens_per_local_expert = mine.to(self.permute_idx_device)
+        return mine.sum(dim=0)
+
+    # ---- exchanges -----------------------------------------------------------------------------
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor, *args: Any, **kwargs: Any):
+        tracer = self.binding.tracer
+        if tracer is not None:
+            self._record = tracer.begin(algorithm=self.binding.settings.algorithm.value,
+                                        chunks=self.binding.settings.chunks, meta=self._meta,
+                                        first_expert=self.local_expert_indices[0])
+            self._record.mark("dispatch")
+        if self.binding.settings.pipelined:
+            return hidden_states, probs  # exchanged chunk by chunk in routed_experts_compute
+        chunk = self._current_meta().chunk[0]
+        return exchange(hidden_states, chunk.dispatch), exchange(probs, chunk.dispatch)
+
+    def token_combine(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        record = self._record
+        if record is not None:
+            record.mark("combine")
+        out = hidden_states if self.binding.settings.pipelined else exchange(
+            hidden_states, self._current_meta().chunk[0].combine)
+        if record is not None:
+            record.finish()
+            self._record = None
+        return out
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        if self.binding.settings.pipelined:  # the fused path never calls it: the layer is not routed to Piper
+            raise RuntimeError("PiperTokenDispatcher (pipelined): MoELayer.routed_experts_compute is Megatron's, "
+                               "not Piper's; keep install_dispatcher's patches in place while the model runs")
+        return super().dispatch_postprocess(hidden_states, probs)
+
+    def _current_meta(self) -> DispatchMeta:
+        if self._meta is None:
+            raise RuntimeError("PiperTokenDispatcher: an exchange was called before preprocess (dispatch_preprocess)")
+        return self._meta
+
+    # ---- experts -------------------------------------------------------------------------------
+    def routed_experts_compute(self, layer: Any, original: Callable[..., Any], hidden_states: torch.Tensor,
+                               probs: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """``MoELayer.routed_experts_compute`` for this dispatcher's layer: the original between the
+        two exchanges, or (pipelined) dispatch -> experts -> combine fused over the chunks."""
+        record = self._record
+        if record is not None:
+            record.layer = layer.layer_number
+        if not self.binding.settings.pipelined:
+            if record is not None:
+                record.mark("expert")
+            return original(layer, hidden_states, probs)
+
+        def experts(tokens: torch.Tensor, tokens_per_expert: tuple[int, ...], chunk_probs: torch.Tensor | None):
+            out, bias = layer.experts(tokens, torch.tensor(tokens_per_expert, dtype=torch.long), chunk_probs)
+            if bias is not None:
+                raise SpecError("experts bias", "returned", "the fused path combines expert outputs only",
+                                "build experts without a separate output bias (add_bias_linear false)")
+            return out
+
+        on_event = None if record is None else _marker(record)
+        return moe_alltoall(hidden_states, self._current_meta(), experts, probs=probs, on_event=on_event), None
+
+
+def _marker(record: LayerRecord) -> Callable[[ScheduleEvent], None]:
+    """Forward schedule events as trace marks: time until the next event goes to this phase."""
+    def on_event(event: ScheduleEvent) -> None:
+        if event.direction == "forward":
+            record.mark("expert" if event.action == "experts" else event.exchange)
+    return on_event
+
+
+class Patches:
+    """Attributes rebound by :func:`install_dispatcher`; :meth:`restore` puts the originals back."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def restore(self) -> None:
+        while self._saved:
+            owner, name, value = self._saved.pop()
+            setattr(owner, name, value)
+
+
+def _routed_experts_compute(original: Callable[..., Any]) -> Callable[..., Any]:
+    def routed_experts_compute(self: Any, hidden_states: torch.Tensor, probs: torch.Tensor):
+        dispatcher = self.token_dispatcher
+        if isinstance(dispatcher, PiperTokenDispatcher):
+            return dispatcher.routed_experts_compute(self, original, hidden_states, probs)
+        return original(self, hidden_states, probs)
+
+    routed_experts_compute.__wrapped__ = original  # type: ignore[attr-defined]
+    return routed_experts_compute
+
+
+def install_dispatcher(comm: A2AComm, settings: DispatchSettings, *, tracer: Tracer | None = None) -> Patches:
+    """Make MoE layers built from now on use Piper's dispatcher on ``comm``; returns the patches
+    (``.restore()`` brings Megatron's dispatcher back for layers built after it)."""
+    bound = type("PiperTokenDispatcher", (PiperTokenDispatcher,),
+                 {"binding": _Binding(comm=comm, settings=settings, tracer=tracer), "__module__": __name__})
+    patches = Patches()
+    patches.set(moe_layer, "MoEAlltoAllTokenDispatcher", bound)
+    patches.set(moe_layer.MoELayer, "routed_experts_compute",
+                _routed_experts_compute(moe_layer.MoELayer.routed_experts_compute))
+    return patches

@@ -1,0 +1,363 @@
+"""``piper_megatron.install()``: ``--piper`` for Megatron-LM training scripts, on the argument API
+of megatron-core 0.16 and of 0.17-0.19.
+
+With ``--piper`` on the command line, :func:`install` hooks Megatron before it parses and
+validates its arguments (without it, nothing of Megatron is imported or changed):
+
+1. ``arguments.add_megatron_arguments`` also adds Piper's flags (both APIs: ``parse_args`` looks
+   the name up in ``megatron.training.arguments`` when it runs).
+2. ``validate_args`` first plans: the model spec from Megatron's parsed arguments, the world size
+   from the launcher (``args.world_size``, Megatron's reading of WORLD_SIZE), the search restricted
+   by the sizes written on the command line, then the rewrite of tp/pp/vpp/ep/etp/cp, micro batch,
+   recompute, sequence parallelism, memory savers and the dispatcher type. Rank 0 prints the plan.
+   An infeasible request raises :class:`piper_core.errors.Infeasible` here, before any model
+   exists; ``--piper-plan-only`` exits here. Hooked where each API calls it: 0.17-0.19's
+   ``parse_and_validate_args`` calls ``arguments.validate_args``; 0.16's ``initialize_megatron``
+   calls the ``validate_args`` that ``megatron.training.initialize`` imported by name, so that
+   binding is replaced as well.
+3. ``parallel_state.initialize_model_parallel`` (MoE models only), once the expert-parallel groups
+   exist: creates Piper's all-to-all groups and installs :class:`~piper_megatron.dispatcher.
+   PiperTokenDispatcher` (and the ``--piper-trace`` tracer) before the model is built.
+
+:meth:`Installation.restore` undoes every hook. The version comes from
+``megatron.core.package_info.__version__`` (``packaging.version``); other versions are refused.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal, TextIO
+
+from packaging.version import InvalidVersion, Version
+
+from piper_core.cli.plan import min_gpus, render
+from piper_core.errors import Infeasible, SpecError
+from piper_core.presets import load_cluster
+from piper_core.resource.predict import Prediction
+from piper_core.scheduler.search import SearchResult, best_predictions, search
+from piper_core.scheduler.space import default_space
+from piper_core.specs.cluster import ClusterSpec
+from piper_core.specs.model import ModelSpec
+from piper_megatron.args import (
+    Change,
+    Pins,
+    PiperOptions,
+    add_piper_arguments,
+    admits,
+    apply_settings,
+    megatron_settings,
+    model_spec_from_args,
+    parse_piper_options,
+    pins_from,
+    piper_options,
+    restrict,
+)
+
+Api = Literal["0.16", "0.17-0.19"]
+TOP = 5
+
+
+def megatron_api(version: str) -> Api:
+    """Which argument API a megatron-core ``version`` has (SpecError for unsupported versions)."""
+    try:
+        release = Version(version).release[:2]
+    except InvalidVersion:
+        release = ()
+    if release == (0, 16):
+        return "0.16"
+    if (0, 17) <= release <= (0, 19):
+        return "0.17-0.19"
+    raise SpecError("megatron-core", version, "is not supported by piper_megatron, which knows the argument API "
+                    "of 0.16 (pretrain(..., extra_args_provider, args_defaults)) and of 0.17-0.19 "
+                    "(parse_and_validate_args)", "install megatron-core>=0.16,<0.20, or run without --piper")
+
+
+def installed_api() -> Api:
+    """The argument API of the megatron-core that ``import megatron.core`` finds."""
+    info = importlib.import_module("megatron.core.package_info")
+    return megatron_api(info.__version__)
+
+
+# ---- planning (no Megatron import) ----------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Planned:
+    """The search for one job and its outcome (``best[0]`` is the plan)."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    gpus: int
+    gbs: int
+    pins: Pins
+    result: SearchResult
+    best: tuple[Prediction, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def top(self) -> Prediction:
+        return self.best[0]
+
+
+def _cluster(options: PiperOptions) -> tuple[ClusterSpec, list[str]]:
+    if options.profile is not None:
+        if not options.profile.is_file():
+            raise SpecError("--piper-profile", str(options.profile), "is not a file", "pass the path of a YAML file")
+        note = (f"--piper-profile {options.profile}: calibrated profiles are not implemented yet; loaded as a "
+                "ClusterSpec YAML" + (f" in place of --piper-cluster {options.cluster}" if options.cluster else ""))
+        return load_cluster(str(options.profile)), [note]
+    if options.cluster is None:
+        raise SpecError("--piper-cluster", None, "is required with --piper (the plan depends on the hardware)",
+                        "name a preset (dgx-h100, dgx-a100, ...) or a ClusterSpec YAML")
+    return load_cluster(options.cluster), []
+
+
+def _check_precision(ns: Any) -> None:
+    """The search plans bf16 training (ParallelPlan's default; its memory savers include bf16
+    gradient reduction, which Megatron refuses with fp16)."""
+    if not getattr(ns, "bf16", False):
+        precision = "fp16" if getattr(ns, "fp16", False) else "fp32"
+        raise SpecError("precision", precision, "Piper's search plans bf16 mixed-precision training",
+                        "add --bf16 (and drop --fp16)")
+
+
+def _attention(ns: Any) -> str:
+    backend = getattr(ns, "attention_backend", "auto")
+    return "unfused" if getattr(backend, "name", backend) in ("unfused", "local") else "flash"
+
+
+def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size: int,
+             defaults: dict[str, Any] | None = None) -> Planned:
+    """Search the plans for the job ``ns`` describes (Megatron's argument names) on ``world_size``
+    GPUs, keeping the sizes written in ``argv``. Raises Infeasible when none fits."""
+    if getattr(ns, "use_checkpoint_args", False) or getattr(ns, "yaml_cfg", None):
+        raise SpecError("--use-checkpoint-args/--yaml-cfg", "given", "with --piper the sizes come from the "
+                        "command line and the plan", "drop --use-checkpoint-args/--yaml-cfg, or run without --piper")
+    if world_size < 1:
+        raise SpecError("world size", world_size, "must be >= 1", "launch with torchrun, or pass --piper-world-size N "
+                        "with --piper-plan-only")
+    _check_precision(ns)
+    model, pins = model_spec_from_args(ns, defaults), pins_from(argv, options)
+    cluster, notes = _cluster(options)
+    gbs = getattr(ns, "global_batch_size", None)
+    if gbs is None:
+        raise SpecError("--global-batch-size", None, "is required with --piper (Megatron's default, micro batch x "
+                        "data parallel size, would change with the plan)", "add --global-batch-size N")
+    space = restrict(default_space(model, cluster, world_size), pins)
+    result = search(model, cluster, world_size, gbs, space=space, attention_backend=_attention(ns))
+    kept = [s for s in result.scored if admits(s.plan, model, pins)]
+    if len(kept) < len(result.scored):
+        result.rejected["breaks a pinned pipeline split"] += len(result.scored) - len(kept)
+        result.scored = kept
+    best = tuple(best_predictions(model, cluster, result, TOP))
+    if not best:
+        raise Infeasible(_no_plan(model, cluster, world_size, gbs, pins, result), rule="no feasible plan")
+    given = pins.values
+    if given.get("recompute_granularity") == "full" and (given.get("recompute_method", "uniform"),
+                                                         given.get("recompute_num_layers", 1)) != ("uniform", 1):
+        notes.append("your --recompute-method/--recompute-num-layers are kept; the predictions assume full "
+                     "recompute with --recompute-method uniform --recompute-num-layers 1")
+    return Planned(model=model, cluster=cluster, gpus=world_size, gbs=gbs, pins=pins, result=result, best=best,
+                   notes=tuple(notes))
+
+
+def _no_plan(model: ModelSpec, cluster: ClusterSpec, gpus: int, gbs: int, pins: Pins, result: SearchResult) -> str:
+    rejected = ", ".join(f"{n:,} {reason}" for reason, n in result.rejected.most_common(4)) or "none"
+    need, what = min_gpus(model, cluster)
+    bound = f" {model.name} needs at least {need:,} GPUs of {cluster.name} for {what} alone." if need > gpus else ""
+    return (f"no plan for {model.name} fits {gpus} GPUs of {cluster.name} at global batch {gbs} "
+            f"(pinned: {pins.describe()}): {result.candidates:,} plans searched, rejected: {rejected}.{bound} "
+            "Add GPUs, lower --global-batch-size or --seq-length, or drop pinned sizes.")
+
+
+def report(planned: Planned, changes: Sequence[Change], dispatcher: str | None) -> str:
+    """What rank 0 prints: the search, the plan with its predicted MFU and memory, why, what was
+    pinned and what was set."""
+    params = planned.top.params_total
+    size = f"{params / 1e12:.2f} T" if params >= 1e12 else f"{params / 1e9:.2f} B"
+    lines = [f"piper: planning {planned.model.name} ({size} parameters) from the Megatron arguments for "
+             f"{planned.gpus} GPUs of {planned.cluster.name}",
+             *(f"piper: note: {note}" for note in planned.notes),
+             f"piper: pinned by the command line: {planned.pins.describe()}",
+             render(planned.model.name, planned.cluster.name, planned.gpus, planned.gbs, planned.result,
+                    list(planned.best)),
+             "piper: Megatron arguments set:" + ("" if changes else " none (they already were the plan)"),
+             *(f"piper:   {c.describe()}" for c in changes)]
+    if dispatcher is not None:
+        lines.append(f"piper: token dispatcher: {dispatcher}")
+    return "\n".join(lines)
+
+
+def dispatcher_description(planned: Planned) -> str | None:
+    plan = planned.top.plan
+    if not planned.model.is_moe:
+        return None
+    a2a = {"flat": "Piper flat all-to-all", "hierarchical": "Piper hierarchical all-to-all (intra-node, then "
+           "inter-node)", "pipelined": f"Piper pipelined all-to-all, {plan.a2a_chunks} chunks (chunk k+1's exchange "
+           "overlaps chunk k's experts)"}[plan.a2a]
+    return a2a + (f" over expert-parallel groups of {plan.ep}" if plan.ep > 1 else " (ep=1: local permutation only)")
+
+
+# ---- hooks -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DispatchRequest:
+    """What the ``initialize_model_parallel`` hook installs: the plan's all-to-all, the node size
+    for the hierarchical stages, the collective timeout and the ``--piper-trace`` path (or None)."""
+
+    a2a: str
+    chunks: int
+    ranks_per_node: int
+    timeout_minutes: float
+    trace: Any = None
+
+
+class Installation:
+    """The hooks of one :func:`install` call; :meth:`restore` removes them (and the dispatcher)."""
+
+    def __init__(self, api: Api, argv: Sequence[str] | None, out: TextIO):
+        self.api, self._argv, self._out = api, None if argv is None else list(argv), out
+        self._saved: list[tuple[Any, str, Any]] = []
+        self._validated: set[int] = set()
+        self._request: DispatchRequest | None = None
+        self._dispatcher: Any = None
+        self._tracer: Any = None
+        self.planned: Planned | None = None
+        self.changes: list[Change] = []
+
+    def _set(self, owner: Any, name: str, value: Any) -> None:
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def restore(self) -> None:
+        if self._dispatcher is not None:
+            self._dispatcher.restore()
+            self._dispatcher = None
+        if self._tracer is not None:
+            self._tracer.close()
+            self._tracer = None
+        while self._saved:
+            owner, name, value = self._saved.pop()
+            setattr(owner, name, value)
+
+    def apply(self) -> None:
+        try:
+            arguments = importlib.import_module("megatron.training.arguments")
+        except ModuleNotFoundError as exc:
+            raise SpecError("megatron.training", "not importable", f"--piper hooks Megatron-LM's argument parsing "
+                            f"({exc}); the megatron-core 0.16 wheel ships only megatron/core",
+                            "run the script from a Megatron-LM checkout (python -m piper_megatron puts the script's "
+                            "directory first on sys.path), or plan without it: --piper-plan-only") from exc
+        if self.api == "0.17-0.19" and not hasattr(arguments, "parse_and_validate_args"):
+            raise SpecError("megatron.training.arguments", "parse_and_validate_args missing", "megatron-core reports "
+                            "0.17-0.19 but its megatron.training has the older API", "use matching megatron-core and "
+                            "Megatron-LM versions")
+        add = arguments.add_megatron_arguments
+        self._set(arguments, "add_megatron_arguments", lambda parser: add_piper_arguments(add(parser)))
+        self._set(arguments, "validate_args", self._validation_hook(arguments.validate_args))
+        if self.api == "0.16":
+            initialize = importlib.import_module("megatron.training.initialize")
+            if not hasattr(initialize, "validate_args"):
+                raise SpecError("megatron.training.initialize", "validate_args missing", "megatron-core reports 0.16, "
+                                "whose initialize_megatron calls validate_args imported by name",
+                                "use matching megatron-core and Megatron-LM versions")
+            self._set(initialize, "validate_args", self._validation_hook(initialize.validate_args))
+
+    def _validation_hook(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def validate_args(args: Any, defaults: dict[str, Any] | None = None, *rest: Any, **kwargs: Any) -> Any:
+            if getattr(args, "piper", False) and id(args) not in self._validated:
+                self._validated.add(id(args))
+                self.prepare(args, defaults or {})
+            return original(args, {} if defaults is None else defaults, *rest, **kwargs)
+
+        validate_args.__wrapped__ = original  # type: ignore[attr-defined]
+        validate_args.piper_installation = self  # type: ignore[attr-defined]
+        return validate_args
+
+    def prepare(self, args: Any, defaults: dict[str, Any]) -> None:
+        """Plan, rewrite ``args`` in place, report on rank 0; exits for ``--piper-plan-only``."""
+        options = piper_options(args)
+        argv = self._argv if self._argv is not None else sys.argv[1:]
+        world = options.world_size or getattr(args, "world_size", 1)
+        self.planned = plan_job(args, argv, options, world_size=world, defaults=defaults)
+        plan = self.planned.top.plan
+        self.changes = apply_settings(args, megatron_settings(self.planned.model, plan, self.planned.pins))
+        if getattr(args, "rank", 0) == 0:
+            print(report(self.planned, self.changes, dispatcher_description(self.planned)), file=self._out, flush=True)
+        if options.plan_only:
+            raise SystemExit(0)
+        if self.planned.model.is_moe:
+            self.hook_model_parallel(DispatchRequest(
+                a2a=plan.a2a, chunks=plan.a2a_chunks,
+                ranks_per_node=_ranks_per_node() or self.planned.cluster.gpus_per_node,
+                timeout_minutes=getattr(args, "distributed_timeout_minutes", 10), trace=options.trace))
+
+    def hook_model_parallel(self, request: DispatchRequest) -> None:
+        """Install Piper's dispatcher as ``request`` says once ``initialize_model_parallel`` has made
+        the expert-parallel groups (and again if it runs again)."""
+        self._request = request
+        parallel_state = importlib.import_module("megatron.core.parallel_state")
+        self._set(parallel_state, "initialize_model_parallel",
+                  self._model_parallel_hook(parallel_state.initialize_model_parallel))
+
+    def _model_parallel_hook(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def initialize_model_parallel(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            self._install_dispatcher()
+            return result
+
+        initialize_model_parallel.__wrapped__ = original  # type: ignore[attr-defined]
+        return initialize_model_parallel
+
+    def _install_dispatcher(self) -> None:
+        import torch.distributed as dist
+
+        from piper_core.runtime import NodeTopology
+        from piper_megatron.dispatcher import DispatchSettings, create_ep_comm, install_dispatcher
+        from piper_megatron.trace import Tracer
+
+        request, world = self._request, dist.get_world_size()
+        per_node = request.ranks_per_node if world % request.ranks_per_node == 0 else world
+        topology = NodeTopology.uniform(world_size=world, ranks_per_node=per_node)
+        comm = create_ep_comm(topology, timeout=timedelta(minutes=request.timeout_minutes),
+                              host_timeout=dist.get_backend() != "nccl")
+        if self._dispatcher is not None:  # initialize_model_parallel ran again: rebind to the new groups
+            self._dispatcher.restore()
+        if request.trace is not None and self._tracer is None:
+            self._tracer = Tracer.for_rank(request.trace, rank=dist.get_rank(), world_size=world)
+            atexit.register(self._tracer.close)
+        settings = DispatchSettings.from_plan(request.a2a, request.chunks)
+        self._dispatcher = install_dispatcher(comm, settings, tracer=self._tracer)
+
+
+def _ranks_per_node() -> int | None:
+    """Ranks per node as the launcher states it (torchrun's LOCAL_WORLD_SIZE), read once at install."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(value) if value and value.isdigit() and int(value) > 0 else None
+
+
+def install(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> Installation | None:
+    """Hook ``--piper`` into Megatron-LM (see the module docstring). Call before Megatron parses its
+    arguments (``parse_and_validate_args`` / ``pretrain``). ``argv`` defaults to ``sys.argv[1:]``
+    as Megatron will read it. Returns None, touching nothing, when ``--piper`` is not given, and
+    the existing installation when the hooks are in place already."""
+    options = parse_piper_options(sys.argv[1:] if argv is None else argv)
+    if not options.enabled:
+        return None
+    api = installed_api()
+    arguments = sys.modules.get("megatron.training.arguments")
+    existing = getattr(getattr(arguments, "validate_args", None), "piper_installation", None)
+    if existing is not None:  # installed already (e.g. by the launcher and again by the script)
+        return existing
+    installation = Installation(api, argv, out or sys.stdout)
+    installation.apply()
+    return installation
+
+
+__all__ = ["Installation", "Planned", "dispatcher_description", "install", "installed_api", "megatron_api",
+           "plan_job", "report"]

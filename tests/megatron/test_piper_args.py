@@ -1,0 +1,427 @@
+"""``--piper``: Megatron arguments -> model spec, pinned sizes, the plan, the rewrite, and the hooks
+on both argument APIs of Megatron-LM.
+
+How each argument API is exercised:
+
+* 0.17-0.19 (``parse_and_validate_args`` calls ``arguments.validate_args``): against the REAL
+  ``megatron.training`` of megatron-core 0.19.2, downloaded once by tests/megatron/megatron_wheel.py
+  (skipped, with the reason, when the download fails) and run in a subprocess
+  (tests/megatron/args_driver.py) with that tree first on the path. A stand-in ``pretrain_gpt.py``
+  whose ``__main__`` calls ``parse_and_validate_args`` as the real one does is run through the
+  launcher and through ``install()``; what Megatron's real ``validate_args`` accepted is compared
+  with the plan Piper computes here from the same command line.
+* 0.16 (``initialize_megatron`` calls the ``validate_args`` that ``megatron.training.initialize``
+  bound at import): the real 0.16 ``megatron.training`` cannot be obtained (the 0.16.1 wheel ships
+  only ``megatron/core``), so the same subprocess first installs tests/megatron/megatron016.py, a
+  stand-in that binds the real 0.19.2 ``parse_args``/``validate_args`` by name at import, as 0.16.1's
+  ``initialize.py`` does, and reports version 0.16.1; the script calls ``pretrain(...,
+  args_defaults=..., extra_args_provider=...)``. A hook on ``arguments.validate_args`` alone would
+  miss that binding; the test checks the rewrite arrives.
+* Installed megatron-core 0.16.1 (no ``megatron.training``): ``install()`` fails with a clear error.
+
+The rest needs no Megatron: the spec read off every preset's Megatron flags equals the preset;
+pins, the rewrite, version detection, errors; and ``python -m piper_megatron ... --piper-plan-only``
+for switch-1t on 64 dgx-h100 GPUs, in a subprocess that must import neither Megatron nor torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from piper_core.cli.plan import describe
+from piper_core.errors import Infeasible, SpecError
+from piper_core.export import model_flags
+from piper_core.presets import load_model, model_names
+from piper_megatron.args import (
+    apply_settings,
+    eval_layer_pattern,
+    explicit_flags,
+    megatron_settings,
+    model_spec_from_args,
+    moe_layout,
+    parse_megatron_args,
+    parse_piper_options,
+    pins_from,
+)
+from piper_megatron.install import dispatcher_description, megatron_api, plan_job, report
+
+REPO = Path(__file__).resolve().parents[2]
+PIPER = ["--piper", "--piper-cluster", "dgx-h100"]
+# A 0.5 B-parameter MoE on 8 GPUs: small enough to plan in a blink, big enough to need choices.
+BASE = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--ffn-hidden-size", "4096",
+        "--seq-length", "2048", "--max-position-embeddings", "2048", "--num-experts", "16",
+        "--moe-ffn-hidden-size", "1024", "--moe-router-topk", "2", "--swiglu", "--disable-bias-linear",
+        "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--global-batch-size", "64", "--bf16",
+        "--lr", "1e-4", "--train-iters", "10"]
+PINNED = ["--tensor-model-parallel-size", "2", "--micro-batch-size", "1", "--piper-a2a", "pipelined",
+          "--piper-chunks", "2"]
+WORLD = 8
+
+
+def flags_of(model) -> list[str]:
+    argv: list[str] = []
+    for flag, value in model_flags(model):
+        argv += [flag] if value is None else [flag, str(value)]
+    return argv + ["--vocab-size", str(model.vocab_size)]
+
+
+SWITCH = flags_of(load_model("switch-1t")) + ["--global-batch-size", "2048", "--bf16"]
+
+
+def planned(argv: list[str], world: int = WORLD):
+    return plan_job(parse_megatron_args(argv), argv, parse_piper_options(argv), world_size=world)
+
+
+# ---- Megatron arguments -> ModelSpec ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", model_names())
+def test_spec_from_each_presets_megatron_flags_is_the_preset(name):
+    """export.model_flags (spec -> flags, checked against Megatron's parser) and back."""
+    preset = load_model(name)
+    got = model_spec_from_args(parse_megatron_args(flags_of(preset)))
+    assert got == dataclasses.replace(preset, name=got.name, moe_expert_load_skew=1.0)
+
+
+def test_megatron_defaults_fill_what_validate_args_would():
+    ns = parse_megatron_args(["--num-layers", "2", "--hidden-size", "96", "--num-attention-heads", "4",
+                              "--seq-length", "128", "--num-experts", "4", "--vocab-size", "100",
+                              "--num-query-groups", "2"])
+    spec = model_spec_from_args(ns)
+    assert spec.ffn_hidden_size == 4 * 96 and spec.moe_ffn_hidden_size == 4 * 96  # validate_args' rules
+    assert spec.num_query_groups is None  # --num-query-groups counts only with --group-query-attention
+    assert (spec.moe_router_topk, spec.normalization, spec.position_embedding) == (2, "LayerNorm", "learned_absolute")
+    assert (spec.tie_embeddings, spec.add_bias_linear, spec.attention_dropout) == (True, True, 0.1)
+    swiglu = model_spec_from_args(parse_megatron_args(["--swiglu", "--num-layers", "2", "--hidden-size", "96",
+                                                        "--num-attention-heads", "4", "--seq-length", "128",
+                                                        "--vocab-size", "100"]))
+    assert swiglu.ffn_hidden_size == int((4 * 96 * 2 / 3) / 64) * 64
+
+
+def test_moe_layer_freq_forms():
+    assert moe_layout(2, 8) == (0, 2)
+    assert moe_layout("([0]*3+[1]*5)", 8) == (3, 1)
+    assert moe_layout([1, 0] * 4, 8) == (0, 2)
+    with pytest.raises(SpecError, match="not of that form"):
+        moe_layout("([1]*3+[0]*1)*2", 8)
+    with pytest.raises(SpecError, match="lists 4 layers, the model has 8"):
+        moe_layout("[1]*4", 8)
+    with pytest.raises(SpecError, match="list expression of 0/1"):
+        eval_layer_pattern("__import__('os').getcwd()")
+
+
+def test_vocabulary_rules():
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64"]
+    gpt2 = parse_megatron_args(base + ["--tokenizer-type", "GPT2BPETokenizer"])
+    assert model_spec_from_args(gpt2).vocab_size == 50257
+    assert model_spec_from_args(parse_megatron_args(base), {"tokenizer_type": "GPT2BPETokenizer"}).vocab_size == 50257
+    with pytest.raises(SpecError, match="cannot read it from --tokenizer-type HuggingFaceTokenizer.*add --vocab-size"):
+        model_spec_from_args(parse_megatron_args(base + ["--tokenizer-type", "HuggingFaceTokenizer"]))
+    with pytest.raises(SpecError, match="--seq-length=None: is required with --piper"):
+        model_spec_from_args(parse_megatron_args(base[:-2] + ["--vocab-size", "10"]))
+
+
+# ---- Piper's flags, pins, the rewrite -----------------------------------------------------------------
+
+def test_piper_flag_errors():
+    with pytest.raises(SpecError, match="--piper-cluster=.*only together with --piper"):
+        parse_piper_options(["--piper-cluster", "dgx-h100"])
+    with pytest.raises(SpecError, match="chunks apply to the pipelined all-to-all"):
+        parse_piper_options(["--piper", "--piper-a2a", "flat", "--piper-chunks", "4"])
+    with pytest.raises(SpecError, match="needs 2 chunks or more"):
+        parse_piper_options(["--piper", "--piper-a2a", "pipelined", "--piper-chunks", "1"])
+    with pytest.raises(SpecError, match="--piper-world-size=.*add --piper-plan-only"):
+        parse_piper_options(["--piper", "--piper-world-size", "64"])
+    options = parse_piper_options(["--piper", "--piper-chunks", "auto", "--piper-trace", "t.jsonl"])
+    assert (options.enabled, options.chunks, str(options.trace)) == (True, None, "t.jsonl")
+
+
+def test_explicit_flags_are_what_the_command_line_wrote():
+    assert explicit_flags(BASE) == {}
+    got = explicit_flags(["--tensor-model-parallel-size=2", "--sequence-parallel", "--micro-batch-size", "1"])
+    assert got == {"tensor_model_parallel_size": 2, "sequence_parallel": True, "micro_batch_size": 1}
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--expert-tensor-parallel-size", "2"], "expert tensor parallel size 1"),
+    (["--moe-token-dispatcher-type", "flex"], "replaces Megatron's alltoall token dispatcher"),
+    (["--decoder-first-pipeline-num-layers", "1"], "splits layers evenly or shortens the last stage"),
+    (["--moe-shared-expert-overlap"], "runs its own exchanges"),
+])
+def test_pins_the_search_cannot_honour_are_refused(argv, message):
+    with pytest.raises(SpecError, match=message):
+        pins_from(argv, parse_piper_options(["--piper"]))
+
+
+def test_pinned_sizes_are_honoured_and_reported():
+    argv = BASE + PIPER + PINNED
+    job = planned(argv)
+    assert job.result.scored and all(s.plan.tp == 2 and s.plan.micro_batch_size == 1 and s.plan.a2a == "pipelined"
+                                     and s.plan.a2a_chunks == 2 for s in job.result.scored)
+    settings = megatron_settings(job.model, job.top.plan, job.pins)
+    assert not {"tensor_model_parallel_size", "micro_batch_size"} & set(settings)  # pinned: never rewritten
+    assert job.pins.describe() == ("--micro-batch-size 1, --tensor-model-parallel-size 2, --piper-a2a pipelined, "
+                                   "--piper-chunks 2")
+    text = report(job, [], dispatcher_description(job))
+    assert f"pinned by the command line: {job.pins.describe()}" in text
+    assert f"best: {describe(job.top.plan)}" in text
+
+
+def test_rewrite_sets_the_plan_and_resets_what_it_does_not_use():
+    job = planned(BASE + PIPER)
+    ns = parse_megatron_args(BASE + ["--recompute-method", "block"])
+    ns.num_layers_per_virtual_pipeline_stage = 1  # as if left over from elsewhere, not pinned
+    changes = apply_settings(ns, megatron_settings(job.model, job.top.plan, job.pins))
+    plan = job.top.plan
+    assert (ns.tensor_model_parallel_size, ns.expert_model_parallel_size, ns.micro_batch_size) == \
+        (plan.tp, plan.ep, plan.micro_batch_size)
+    assert ns.moe_token_dispatcher_type == "alltoall" and ns.num_layers_per_virtual_pipeline_stage is None
+    assert {c.dest for c in changes} >= {"expert_model_parallel_size", "moe_token_dispatcher_type"}
+
+
+@pytest.mark.parametrize(("version", "api"), [("0.16.1", "0.16"), ("0.16.0rc0.dev100085", "0.16"),
+                                              ("0.17.0rc0", "0.17-0.19"), ("0.19.2", "0.17-0.19")])
+def test_version_detection(version, api):
+    assert megatron_api(version) == api
+
+
+@pytest.mark.parametrize("version", ["0.15.3", "0.20.0", "not-a-version"])
+def test_unsupported_versions_get_a_clear_error(version):
+    with pytest.raises(SpecError, match=f"megatron-core={version!r}: is not supported by piper_megatron"):
+        megatron_api(version)
+
+
+def test_planning_needs_what_it_cannot_guess(tmp_path):
+    no_gbs = [a for a in BASE if a not in ("--global-batch-size", "64")]
+    with pytest.raises(SpecError, match="--global-batch-size=None: is required with --piper"):
+        planned(no_gbs + PIPER)
+    with pytest.raises(SpecError, match="precision='fp32': Piper's search plans bf16"):
+        planned([a for a in BASE if a != "--bf16"] + PIPER)
+    with pytest.raises(SpecError, match="--piper-cluster=None: is required"):
+        planned(BASE + ["--piper"])
+
+
+def test_profile_is_loaded_as_a_cluster_spec_for_now(tmp_path):
+    from piper_core.presets import _HERE
+
+    profile = tmp_path / "h100-profile.yaml"
+    profile.write_text((_HERE / "clusters" / "dgx-h100.yaml").read_text())
+    job = planned(BASE + ["--piper", "--piper-profile", str(profile)])
+    assert job.top.plan == planned(BASE + PIPER).top.plan
+    assert any("calibrated profiles are not implemented yet" in note for note in job.notes)
+    with pytest.raises(SpecError, match="--piper-profile=.*must be a YAML file"):
+        parse_piper_options(["--piper", "--piper-profile", "profile.json"])
+
+
+def test_infeasible_request_fails_with_the_reason():
+    with pytest.raises(Infeasible, match="no plan for gpt-24L-4096H-512E-top1 fits 8 GPUs of dgx-h100 .*needs at "
+                                         "least .* GPUs"):
+        planned(SWITCH + PIPER)
+
+
+# ---- the launcher, without Megatron -----------------------------------------------------------------
+
+def _launch(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """``python -m piper_megatron ARGV`` in-process in a fresh interpreter, then the loaded modules."""
+    code = ("import json, sys\nfrom piper_megatron.__main__ import main\nrc = main(sys.argv[1:])\n"
+            "print('MODULES ' + json.dumps(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'torch'})))\n"
+            "sys.exit(rc)\n")
+    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=120)
+
+
+def test_plan_only_prints_switch_1t_on_64_gpus_without_megatron_or_a_gpu(tmp_path):
+    argv = ["pretrain_gpt.py", *SWITCH, *PIPER, "--piper-plan-only", "--piper-world-size", "64"]
+    proc = _launch(argv, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    expected = planned(SWITCH + PIPER, world=64).top.plan
+    assert f"best: {describe(expected)}" in proc.stdout
+    assert expected.grad_reduce_in_bf16 and expected.optimizer_offload_fraction == 1.0  # 1.03 T on 64 GPUs
+    assert "pretrain_gpt.py (not found here; plan-only does not need it) was not run" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "MODULES []", "plan-only imported Megatron or torch"
+
+
+def test_plan_only_never_runs_the_script(tmp_path):
+    script = REPO / "tests" / "megatron" / "scripts" / "pretrain_gpt_019.py"  # would import Megatron if run
+    proc = _launch([str(script), *BASE, *PIPER, "--piper-plan-only", "--piper-world-size", "8"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{script} was not run and no model was built" in proc.stdout
+    assert proc.stdout.splitlines()[-1] == "MODULES []"
+
+
+def test_infeasible_plan_only_exits_1_with_the_reason(tmp_path):
+    proc = _launch(["pretrain_gpt.py", *SWITCH, *PIPER, "--piper-plan-only", "--piper-world-size", "8"], tmp_path)
+    assert proc.returncode == 1
+    assert "piper_megatron: infeasible: no plan for gpt-24L-4096H-512E-top1 fits 8 GPUs" in proc.stderr
+
+
+def test_without_piper_the_script_runs_untouched(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import json, sys\nprint('SCRIPT ' + json.dumps({'argv': sys.argv, 'path0': sys.path[0], "
+                      "'megatron': sorted(m for m in sys.modules if m.startswith('megatron'))}))\n")
+    proc = _launch([str(script), "--num-layers", "2", "--tensor-model-parallel-size", "2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("SCRIPT "))[7:])
+    assert seen == {"argv": [str(script), "--num-layers", "2", "--tensor-model-parallel-size", "2"],
+                    "path0": str(tmp_path), "megatron": []}
+
+
+def test_piper_flags_without_piper_are_refused(tmp_path):
+    proc = _launch(["train.py", "--piper-cluster", "dgx-h100"], tmp_path)
+    assert proc.returncode == 2 and "only together with --piper" in proc.stderr
+
+
+def test_install_needs_megatron_training():
+    pytest.importorskip("megatron.core")
+    from importlib.util import find_spec
+
+    from piper_megatron.install import install
+
+    if find_spec("megatron.training") is not None:
+        pytest.skip("megatron.training is importable here")
+    assert install(BASE) is None  # no --piper: returns before touching Megatron
+    with pytest.raises(SpecError, match="megatron.training=.*the megatron-core 0.16 wheel ships only megatron/core"):
+        install(BASE + PIPER)
+
+
+# ---- the real argument APIs (subprocess with megatron-core 0.19.2's tree) ---------------------------
+
+SCENARIOS = {
+    "untouched": {"via": "launcher", "argv": BASE + ["--micro-batch-size", "1"]},
+    "piper": {"via": "install", "argv": BASE + PIPER},
+    "pinned": {"via": "install", "argv": BASE + PIPER + PINNED},
+    "pipeline": {"via": "install", "argv": BASE + PIPER + ["--pipeline-model-parallel-size", "2"]},
+    "vpp_pinned": {"via": "install", "argv": BASE + PIPER + ["--pipeline-model-parallel-size", "4",
+                                                             "--num-layers-per-virtual-pipeline-stage", "1"]},
+    "recompute_pinned": {"via": "install", "argv": BASE + PIPER + ["--recompute-granularity", "full",
+                                                                   "--recompute-method", "block",
+                                                                   "--recompute-num-layers", "2"]},
+    "infeasible": {"via": "install", "argv": SWITCH + ["--lr", "1e-4", "--train-iters", "10"] + PIPER},
+    "plan_only": {"via": "install", "argv": BASE + PIPER + ["--piper-plan-only"]},
+    "launcher": {"via": "launcher", "argv": BASE + PIPER + ["--expert-model-parallel-size", "4"]},  # last: keeps hooks
+}
+ENV = {"WORLD_SIZE": str(WORLD), "RANK": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+@pytest.fixture(scope="module")
+def megatron_019():
+    from tests.megatron.megatron_wheel import megatron_tree
+
+    tree, why = megatron_tree()
+    if tree is None:
+        pytest.skip(f"megatron-core 0.19.2 (the real megatron.training) is not available: {why}")
+    return tree
+
+
+@pytest.fixture(scope="module")
+def api_run(megatron_019, tmp_path_factory):
+    from tests.megatron.megatron_wheel import tree_env
+
+    cache = {}
+
+    def get(api: str) -> dict:
+        if api not in cache:
+            work = tmp_path_factory.mktemp(f"api-{api}")
+            scenarios = {name: s | {"env": ENV} for name, s in SCENARIOS.items()}
+            (work / "scenarios.json").write_text(json.dumps(scenarios))
+            cmd = [sys.executable, "-m", "tests.megatron.args_driver", api, str(work / "scenarios.json"),
+                   str(work / "out.json")]
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                                  env=tree_env(megatron_019, REPO))
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            cache[api] = json.loads((work / "out.json").read_text())
+        return cache[api]
+
+    return get
+
+
+def expected_args(plan) -> dict:
+    """What Megatron's validated arguments hold under ``plan``."""
+    return {"tensor_model_parallel_size": plan.tp, "pipeline_model_parallel_size": plan.pp,
+            "virtual_pipeline_model_parallel_size": plan.vpp if plan.virtual_stages > 1 else None,
+            "context_parallel_size": plan.cp, "expert_model_parallel_size": plan.ep,
+            "expert_tensor_parallel_size": plan.etp_size, "sequence_parallel": plan.sequence_parallel,
+            "micro_batch_size": plan.micro_batch_size, "global_batch_size": plan.global_batch_size,
+            "recompute_granularity": None if plan.recompute == "none" else plan.recompute,
+            "use_distributed_optimizer": plan.distributed_optimizer, "moe_token_dispatcher_type": "alltoall",
+            "grad_reduce_in_bf16": plan.grad_reduce_in_bf16,
+            "optimizer_cpu_offload": plan.optimizer_offload_fraction > 0,
+            "decoder_last_pipeline_num_layers": plan.num_layers_in_last_pipeline_stage, "data_parallel_size": plan.dp}
+
+
+def _subset(args: dict, keys) -> dict:
+    return {k: args[k] for k in keys}
+
+
+APIS = ("0.17-0.19", "0.16")
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_version_is_detected(api_run, api):
+    assert api_run(api)["detected_api"] == api
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_plan_only_parser_has_megatrons_defaults(api_run, api):
+    real = api_run(api)["parser_defaults"]
+    mine = vars(parse_megatron_args([]))
+    assert {k: real[k] for k in mine} == {k: (v if not isinstance(v, list) else str(v)) for k, v in mine.items()}
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_without_piper_nothing_of_megatron_is_touched(api_run, api):
+    got = api_run(api)["scenarios"]["untouched"]
+    assert got["rc"] == 0 and got["piper_lines"] == []
+    assert got["changed_after"] == [], "module attributes differ from the originals"
+    assert not any(got["hooks"].values())
+    assert (got["args"]["tensor_model_parallel_size"], got["args"]["moe_token_dispatcher_type"]) == (1, "allgather")
+
+
+@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("scenario", ["piper", "pinned", "pipeline", "vpp_pinned", "recompute_pinned", "launcher"])
+def test_megatron_validates_the_plan(api_run, api, scenario):
+    got = api_run(api)["scenarios"][scenario]
+    assert "error" not in got and got.get("exit") is None, got
+    job = planned(SCENARIOS[scenario]["argv"])
+    want = expected_args(job.top.plan)
+    assert _subset(got["args"], want) == want
+    assert f"piper: pinned by the command line: {job.pins.describe()}" in got["piper_lines"]
+    assert f"piper: token dispatcher: {dispatcher_description(job)}" in got["piper_lines"]
+    assert got["hooks"]["arguments.validate_args"] and got["hooks"]["parallel_state.initialize_model_parallel"]
+    assert got["hooks"]["initialize.validate_args"] == (api == "0.16")  # 0.16 binds validate_args at import
+    if scenario != "launcher":
+        assert got["install_again_is_same"], "a second install() hooked Megatron twice"
+        assert got["changed_after"] == [], "restore() left hooks behind"
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_pinned_sizes_survive_megatrons_validation(api_run, api):
+    scenarios = api_run(api)["scenarios"]
+    args = scenarios["pinned"]["args"]
+    assert (args["tensor_model_parallel_size"], args["micro_batch_size"]) == (2, 1)
+    args = scenarios["vpp_pinned"]["args"]
+    assert (args["pipeline_model_parallel_size"], args["virtual_pipeline_model_parallel_size"]) == (4, 2)
+    args = scenarios["recompute_pinned"]["args"]
+    recompute = (args["recompute_granularity"], args["recompute_method"], args["recompute_num_layers"])
+    assert recompute == ("full", "block", 2)
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_infeasible_request_fails_before_megatron_accepts_arguments(api_run, api):
+    got = api_run(api)["scenarios"]["infeasible"]
+    assert got["error"].startswith("Infeasible: no plan for gpt-24L-4096H-512E-top1 fits 8 GPUs of dgx-h100")
+    assert got["args"] is None, "Megatron set its global arguments: the run would have gone on to build the model"
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_plan_only_exits_inside_validation(api_run, api):
+    got = api_run(api)["scenarios"]["plan_only"]
+    assert got["exit"] == 0 and got["args"] is None
+    assert f"best: {describe(planned(BASE + PIPER).top.plan)}" in got["stdout"].splitlines()
