@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.piper-installed
 TORCH  ?= torch==2.13.0
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: install run test test-unit test-runtime test-emulate test-megatron test-deepspeed bench clean
+.PHONY: install run test test-unit test-runtime test-emulate test-megatron test-deepspeed bench bench-alltoall bench-alltoall-smoke clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -26,18 +26,30 @@ install: $(STAMP)
 run: install
 	$(PIPER) plan switch-1t --cluster dgx-h100 --gpus 1024 --gbs 2048 --top 5 --detail
 
-# Benchmarks (not part of `make test`): scheduler search speed over the full space.
+# Benchmarks (not part of `make test`): scheduler search speed over the full space; the all-to-all
+# and the pipelined MoE layer on the emulated 2-node cluster (root, ~7 min; docs/alltoall.md).
 bench: install
 	$(PY) -m piper_core.bench.search_speed
 
+bench-alltoall: install
+	$(PY) -m piper_core.bench.alltoall --json docs/alltoall/results.json --plot docs/alltoall
+
+bench-alltoall-smoke: install
+	$(PYTEST) -m slow tests/emulate
+
 # Every tier runs on its own so that a tier collecting no test fails the run (pytest exit 5).
-test: install test-unit test-runtime test-megatron test-deepspeed
+test: install test-unit test-runtime test-emulate test-megatron test-deepspeed
 
 test-unit: install
 	$(PYTEST) tests/unit
 
 test-runtime: install
 	$(PYTEST) tests/runtime
+
+# Emulated multi-node cluster (network namespaces, tbf-shaped links): needs root, skips with the
+# reason elsewhere; the slow benchmark smoke test runs with `make bench-alltoall-smoke`.
+test-emulate: install
+	$(PYTEST) -m "not slow" tests/emulate
 
 test-megatron: install
 	$(PYTEST) tests/megatron

@@ -98,7 +98,8 @@ def links(info: RankInfo, big_bytes: int) -> dict[str, float]:
             _ping_pong(peer, info.rank, 4, 3)
             _ping_pong(peer, info.rank, big_bytes, 1)
         dist.barrier()
-        rtt = _ping_pong(peer, info.rank, 4, 21)
+        # least of three batch medians: one batch hit by a neighbour's burst of CPU use is ignored
+        rtt = min(_ping_pong(peer, info.rank, 4, 11) for _ in range(3))
         out[f"{level}_latency_us"] = rtt / 2 * 1e6
         big = _send_time(peer, info.rank, big_bytes)
         out[f"{level}_gb_per_s"] = big_bytes / max(big - rtt / 2, 1e-9) / 1e9
@@ -159,58 +160,90 @@ def _identity(tokens: torch.Tensor, tokens_per_expert: tuple[int, ...], probs: t
     return tokens * 1.0
 
 
+class _MoeLayer:
+    """One rank's MoE-layer steps: ``tokens`` routed top-1, evenly, to ``world x experts_per_rank``
+    experts (the same counts every step, so every variant moves the same bytes)."""
+
+    def __init__(self, info: RankInfo, *, tokens: int, hidden: int, experts_per_rank: int):
+        self.comm = _comm(info)
+        w, e = info.world_size, info.world_size * experts_per_rank
+        per = tokens // e
+        self.counts = torch.full((w, e), per, dtype=torch.long)
+        self.x = torch.randn(per * e, hidden, generator=torch.Generator().manual_seed(info.rank))
+        self.grad = torch.randn(per * e, hidden, generator=torch.Generator().manual_seed(100 + info.rank))
+        self.hidden, self.experts_per_rank = hidden, experts_per_rank
+        self.received = per * experts_per_rank * w
+        self.bytes_per_a2a = per * e * hidden * 4
+
+    def flat(self, experts: Callable[..., torch.Tensor]) -> None:
+        """The framework baseline: plan, ``dispatch`` -> experts -> ``combine``, backward."""
+        x = self.x.detach().requires_grad_()
+        meta = plan_dispatch(self.counts, comm=self.comm, algorithm=Algorithm.FLAT, chunks=1)
+        y, _ = dispatch(x, meta)
+        combine(experts(y, meta.tokens_per_expert, None), meta).backward(self.grad)
+
+    def piped(self, experts: Callable[..., torch.Tensor], algorithm: str, chunks: int) -> None:
+        """Plan, ``moe_alltoall`` (pipelined when ``chunks`` > 1), backward."""
+        x = self.x.detach().requires_grad_()
+        meta = plan_dispatch(self.counts, comm=self.comm, algorithm=Algorithm(algorithm), chunks=chunks)
+        moe_alltoall(x, meta, experts).backward(self.grad)
+
+    def compute(self, experts: Experts) -> None:
+        """The experts alone, forward + backward, on the tokens a rank receives."""
+        t = torch.randn(self.received, self.hidden).requires_grad_()
+        split = tuple([self.received // self.experts_per_rank] * self.experts_per_rank)
+        experts(t, split, None).backward(torch.ones(self.received, self.hidden))
+
+    def experts(self, ffn: int) -> Experts:
+        return Experts(local=self.experts_per_rank, hidden=self.hidden, ffn=ffn, seed=1)
+
+
+def _width_for(layer: _MoeLayer, ratio: float, comm_s: float) -> int:
+    """FFN width whose experts take ``comm_s / ratio`` (fwd+bwd): scale from a 4096-wide probe, then
+    once more from a measurement at the first guess (GEMM speed is not linear in the width).
+    Rank 0's choice is broadcast so every rank builds the same experts."""
+    ffn = 4096
+    for _ in range(2):
+        ex = layer.experts(ffn)
+        took = statistics.median(_side_by_side({"c": lambda ex=ex: layer.compute(ex)}, 3)["c"])
+        ffn = max(64, round(ffn * comm_s / ratio / took / 64) * 64)
+    chosen = torch.tensor([ffn])
+    dist.broadcast(chosen, 0)
+    return int(chosen)
+
+
 def moe_sweep(info: RankInfo, tokens: int, hidden: int, experts_per_rank: int, ratios: list[float],
-              chunk_counts: list[int], algorithm: str, rounds: int) -> dict[str, object]:
-    """MoE layer fwd+bwd, flat unchunked vs pipelined at ``chunk_counts``, at each target
-    communication/compute ratio. ``tokens`` per rank are routed top-1 evenly over all experts.
+              chunk_counts: list[int], algorithms: list[str], rounds: int,
+              ffns: list[int] | None = None) -> dict[str, object]:
+    """MoE layer fwd+bwd: the flat unchunked path (the framework baseline) vs ``moe_alltoall`` with
+    each of ``algorithms`` at each of ``chunk_counts``, at each target communication/compute ratio.
 
-    Communication ``c`` is the flat dispatch + combine, forward and backward, with identity experts;
-    compute is the experts' forward + backward alone on the tokens a rank receives. The FFN width
-    for a target ratio ``r`` is set from a probe so that compute ~= ``c / r`` (rank 0 decides, all
-    follow); the ratio actually obtained is measured in the same run as the comparison.
+    Communication (``comm <alg>``) is the unchunked layer with identity experts; the ratio is taken
+    against ``comm flat``. Compute is the experts' forward + backward alone. The FFN width for a
+    target ratio comes from :func:`_width_for`; the ratio actually obtained is measured in the same
+    rounds as the comparison. ``ffns`` (optional) fixes the widths instead (``ratios`` ignored).
+    Planning (``plan_dispatch``) is inside every timed step, as it is per step in training.
     """
-    comm = _comm(info)
-    w, e = info.world_size, info.world_size * experts_per_rank
-    per = tokens // e
-    counts = torch.full((w, e), per, dtype=torch.long)
-    x = torch.randn(per * e, hidden, generator=torch.Generator().manual_seed(info.rank))
-    grad = torch.randn(per * e, hidden, generator=torch.Generator().manual_seed(100 + info.rank))
-    alg = Algorithm(algorithm)
-    received = per * experts_per_rank * w
-
-    def flat_step(experts: Callable[..., torch.Tensor], zero: Callable[[], None]) -> None:
-        zero()
-        xi = x.detach().requires_grad_()
-        meta = plan_dispatch(counts, comm=comm, algorithm=Algorithm.FLAT, chunks=1)
-        y, _ = dispatch(xi, meta)
-        combine(experts(y, meta.tokens_per_expert, None), meta).backward(grad)
-
-    def piped_step(experts: Callable[..., torch.Tensor], zero: Callable[[], None], chunks: int) -> None:
-        zero()
-        xi = x.detach().requires_grad_()
-        meta = plan_dispatch(counts, comm=comm, algorithm=alg, chunks=chunks)
-        moe_alltoall(xi, meta, experts).backward(grad)
-
-    def compute_only(ex: Experts) -> None:
-        ex.zero_grad()
-        t = torch.randn(received, hidden).requires_grad_()
-        ex(t, tuple([received // experts_per_rank] * experts_per_rank), None).backward(torch.ones(received, hidden))
-
-    comm_s = statistics.median(_side_by_side({"comm": lambda: flat_step(_identity, lambda: None)}, 5)["comm"])
-    probe_ffn = 1024
-    probe = Experts(local=experts_per_rank, hidden=hidden, ffn=probe_ffn, seed=0)
-    probe_s = statistics.median(_side_by_side({"c": lambda: compute_only(probe)}, 3)["c"])
+    layer = _MoeLayer(info, tokens=tokens, hidden=hidden, experts_per_rank=experts_per_rank)
+    comm_variants: dict[str, Callable[[], object]] = {"comm flat": lambda: layer.flat(_identity)}
+    for alg in algorithms:
+        if alg != "flat":
+            comm_variants[f"comm {alg}"] = lambda alg=alg: layer.piped(_identity, alg, 1)
+    comm_s = statistics.median(_side_by_side(comm_variants, 5)["comm flat"]) if not ffns else 0.0
     cases = []
-    for ratio in ratios:
-        ffn = torch.tensor([max(64, round(probe_ffn * comm_s / ratio / probe_s / 64) * 64)])
-        dist.broadcast(ffn, 0)
-        ex = Experts(local=experts_per_rank, hidden=hidden, ffn=int(ffn), seed=1)
-        variants: dict[str, Callable[[], object]] = {
-            "comm": lambda: flat_step(_identity, lambda: None),
-            "compute": lambda ex=ex: compute_only(ex),
-            "flat": lambda ex=ex: flat_step(ex, ex.zero_grad)}
-        for c in chunk_counts:
-            variants[f"chunks={c}"] = lambda ex=ex, c=c: piped_step(ex, ex.zero_grad, c)
-        cases.append({"target_ratio": ratio, "ffn": int(ffn), "times": _side_by_side(variants, rounds)})
+    for target in (ffns or ratios):
+        ffn = int(target) if ffns else _width_for(layer, target, comm_s)
+        ex = layer.experts(ffn)
+
+        def step(fn: Callable[[], None], ex: Experts = ex) -> Callable[[], None]:
+            return lambda: (ex.zero_grad(), fn())
+
+        variants = {**comm_variants, "compute": step(lambda: layer.compute(ex)),
+                    "flat": step(lambda: layer.flat(ex))}
+        for alg in algorithms:
+            for c in chunk_counts:
+                variants[f"{alg} x{c}"] = step(lambda alg=alg, c=c: layer.piped(ex, alg, c))
+        cases.append({"target_ratio": None if ffns else target, "ffn": ffn,
+                      "times": _side_by_side(variants, rounds)})
     return {"cases": cases, "tokens": tokens, "hidden": hidden, "experts_per_rank": experts_per_rank,
-            "received_tokens": received, "bytes_per_a2a": per * e * hidden * 4}
+            "received_tokens": layer.received, "bytes_per_a2a": layer.bytes_per_a2a}

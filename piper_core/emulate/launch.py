@@ -11,9 +11,9 @@ overruns fails the whole call with :class:`RankFailure` naming the ranks; the ot
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -27,13 +27,12 @@ from typing import Any
 
 from piper_core.emulate.netns import NODE_IFNAME, EmulatedCluster, EmulationError
 
-STORE_PORT_BASE = 29500
-"""TCP store port on node 0 (its namespace is private to the cluster, so no clash with the host)."""
+STORE_PORTS = range(20000, 30000)
+"""TCP store port on node 0, drawn per run (node 0's namespace is private to the cluster, so no
+clash with the host; a fresh port per run avoids a previous run's socket in TIME_WAIT)."""
 FAILURE_GRACE_S = 3.0
 """After the first rank fails, how long the others get to report (they usually fail too, naming
 the broken connection) before they are stopped."""
-
-_runs = itertools.count()
 
 
 class RankFailure(EmulationError):
@@ -94,7 +93,7 @@ def launch(cluster: EmulatedCluster, target: str, args: Sequence[Any] = (), *, t
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world)
     what = f"{target} on {len(cluster.nodes)}x{cluster.ranks_per_node} emulated ranks"
     work = Path(tempfile.mkdtemp(prefix="piperemu-run-"))
-    port = STORE_PORT_BASE + next(_runs) % 1000
+    port = STORE_PORTS[secrets.randbelow(len(STORE_PORTS))]
     try:
         spec = {"target": target, "args": list(args), "threads": threads, "sys_path": sys.path,
                 "out_dir": str(work)}

@@ -1,0 +1,244 @@
+"""All-to-all benchmarks on the emulated cluster (:mod:`piper_core.emulate`; needs root).
+
+Run: ``python -m piper_core.bench.alltoall [--quick] [--json FILE] [--plot DIR]``.
+
+(a) flat vs hierarchical vs aggregated all-to-all, time vs per-rank message size, on 2x2 and 2x4
+    clusters at two inter-node bandwidths, beside the resource model's predictions
+    (``piper_core.timing.comm``) for a ClusterSpec of the same cluster;
+(b) a MoE layer (dispatch -> experts -> combine, forward + backward): the flat unchunked path vs
+    ``moe_alltoall`` at 1, 2, 4, 8 chunks, across communication/compute ratios ~0.3 to ~3 on a
+    2-node cluster (one rank per node), plus one run on the unshaped link where communication is
+    small. Reported: medians of side-by-side rounds, the ratio actually measured, speedups.
+
+Prints tables; ``--json`` writes every measurement, ``--plot`` writes PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from piper_core.emulate import SUBNET, EmulatedCluster, emulated_cluster_spec, emulation_available, tbf_burst_bytes
+from piper_core.emulate.netns import TBF_LATENCY_MS
+from piper_core.presets import load_cluster
+from piper_core.timing.comm import all_to_all_flat, all_to_all_hierarchical
+from piper_core.timing.topology import Group
+
+RANKS = "piper_core.bench.alltoall_ranks"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    """What one benchmark run measures (``FULL`` or ``QUICK``)."""
+
+    a2a_clusters: tuple[tuple[int, int], ...]
+    a2a_mbits: tuple[float, ...]
+    a2a_sizes: tuple[int, ...]
+    a2a_algorithms: tuple[str, ...]
+    a2a_rounds: int
+    moe_mbit: float
+    moe_tokens: int
+    moe_hidden: int
+    moe_experts_per_rank: int
+    moe_ratios: tuple[float, ...]
+    moe_chunks: tuple[int, ...]
+    moe_algorithms: tuple[str, ...]
+    moe_rounds: int
+    small_comm_ffn: int
+    small_comm_rounds: int
+
+
+FULL = Config(a2a_clusters=((2, 2), (2, 4)), a2a_mbits=(100.0, 1000.0),
+              a2a_sizes=(16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20),
+              a2a_algorithms=("flat", "hierarchical", "aggregated"), a2a_rounds=7,
+              moe_mbit=200.0, moe_tokens=1024, moe_hidden=256, moe_experts_per_rank=2,
+              moe_ratios=(0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0), moe_chunks=(1, 2, 4, 8),
+              moe_algorithms=("flat", "aggregated"), moe_rounds=9, small_comm_ffn=4096, small_comm_rounds=15)
+QUICK = Config(a2a_clusters=((2, 2),), a2a_mbits=(100.0, 1000.0), a2a_sizes=(64 << 10, 1 << 20),
+               a2a_algorithms=("flat", "hierarchical", "aggregated"), a2a_rounds=3,
+               moe_mbit=200.0, moe_tokens=512, moe_hidden=256, moe_experts_per_rank=2, moe_ratios=(1.0,),
+               moe_chunks=(1, 2, 4), moe_algorithms=("flat",), moe_rounds=3, small_comm_ffn=2048,
+               small_comm_rounds=3)
+
+
+def _median_ms(times: list[float]) -> float:
+    return statistics.median(times) * 1e3
+
+
+def run_a2a(cfg: Config, timeout_s: float) -> list[dict[str, Any]]:
+    """One row per (cluster, bandwidth): the sweep, the measured link parameters, the predictions."""
+    rows = []
+    for nodes, per_node in cfg.a2a_clusters:
+        with EmulatedCluster(nodes=nodes, ranks_per_node=per_node, inter_node_mbit=cfg.a2a_mbits[0]) as cluster:
+            for mbit in cfg.a2a_mbits:
+                cluster.set_inter_node_mbit(mbit)
+                start = time.perf_counter()
+                out = cluster.run(f"{RANKS}:a2a_sweep", [list(cfg.a2a_sizes), list(cfg.a2a_algorithms),
+                                                         cfg.a2a_rounds], timeout_s=timeout_s)[0]
+                row = {"nodes": nodes, "ranks_per_node": per_node, "inter_node_mbit": mbit,
+                       "links": out["links"], "sweep": out["sweep"], "wall_s": time.perf_counter() - start}
+                row["predicted_ms"] = predict(row)
+                rows.append(row)
+    return rows
+
+
+def predict(row: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """The resource model's flat and hierarchical times (ms) for each size of ``row``.
+
+    Link parameters: inter-node bandwidth from the shaping (``rate x 0.96 / ranks_per_node``, see
+    :mod:`piper_core.emulate.spec`); latencies and the intra-node bandwidth from the ping-pong and
+    4 MiB send measured in the same run (``links``); copy bandwidth from the cpu-local preset.
+    """
+    links = row["links"]
+    spec = emulated_cluster_spec(
+        nodes=row["nodes"], ranks_per_node=row["ranks_per_node"], inter_node_mbit=row["inter_node_mbit"],
+        accelerator=load_cluster("cpu-local").accelerator, intra_node_gb_per_s=links["intra_gb_per_s"],
+        intra_node_latency_us=links["intra_latency_us"], inter_node_latency_us=links["inter_latency_us"])
+    group = Group(name="ep", size=row["nodes"] * row["ranks_per_node"], stride=1)
+    return {size: {"flat": all_to_all_flat(group, int(size), spec) * 1e3,
+                   "hierarchical": all_to_all_hierarchical(group, int(size), spec) * 1e3}
+            for size in row["sweep"]}
+
+
+def run_moe(cfg: Config, timeout_s: float) -> dict[str, Any]:
+    """The MoE-layer comparison on the shaped 2-node link, and on the unshaped link."""
+    args = [cfg.moe_tokens, cfg.moe_hidden, cfg.moe_experts_per_rank, list(cfg.moe_ratios), list(cfg.moe_chunks),
+            list(cfg.moe_algorithms), cfg.moe_rounds]
+    out: dict[str, Any] = {}
+    with EmulatedCluster(nodes=2, ranks_per_node=1, inter_node_mbit=cfg.moe_mbit) as cluster:
+        start = time.perf_counter()
+        out["shaped"] = {**cluster.run(f"{RANKS}:moe_sweep", args, timeout_s=timeout_s)[0],
+                         "inter_node_mbit": cfg.moe_mbit, "wall_s": time.perf_counter() - start}
+        cluster.set_inter_node_mbit(None)
+        start = time.perf_counter()
+        small = [*args[:-1], cfg.small_comm_rounds, [cfg.small_comm_ffn]]
+        out["unshaped"] = {**cluster.run(f"{RANKS}:moe_sweep", small, timeout_s=timeout_s)[0],
+                           "inter_node_mbit": None, "wall_s": time.perf_counter() - start}
+    for run in out.values():
+        for case in run["cases"]:
+            case["summary"] = summarize_case(case["times"])
+    out["acceptance"] = acceptance(out)
+    return out
+
+
+def acceptance(moe: dict[str, Any]) -> dict[str, Any]:
+    """The issue's two criteria, read off the measurements: at the shaped case whose measured
+    ratio is nearest 1, the best pipelined (chunks >= 2) speedup over flat unchunked (target
+    >= 1.3x); on the unshaped link (communication small), the cost of the best pipelined setting
+    (target <= 3 %). The unchunked ``moe_alltoall`` (``x1``) is reported beside them."""
+    near = min(moe["shaped"]["cases"], key=lambda c: abs(c["summary"]["ratio"] - 1.0))["summary"]
+    small = moe["unshaped"]["cases"][0]["summary"]
+    x1 = {k: v for k, v in small["speedup"].items() if k.endswith(" x1")}
+    return {"ratio_near_1": near["ratio"], "best_chunked": near["best_chunked"],
+            "best_chunked_speedup": near["best_chunked_speedup"], "best_any": near["best"],
+            "best_any_speedup": near["best_speedup"], "meets_1_3x": near["best_chunked_speedup"] >= 1.3,
+            "small_comm_ratio": small["ratio"], "small_comm_best_chunked": small["best_chunked"],
+            "small_comm_chunked_cost_pct": (1 / small["best_chunked_speedup"] - 1) * 100,
+            "small_comm_x1_cost_pct": {k: (1 / v - 1) * 100 for k, v in x1.items()},
+            "meets_3pct": (1 / small["best_chunked_speedup"] - 1) * 100 <= 3.0}
+
+
+def summarize_case(times: dict[str, list[float]]) -> dict[str, Any]:
+    """Medians (ms), the measured ratio (flat communication / compute), and each pipelined
+    variant's speedup over the flat unchunked layer (>1: faster)."""
+    med = {k: _median_ms(v) for k, v in times.items()}
+    piped = {k: v for k, v in med.items() if " x" in k}
+    best = min(piped, key=piped.get)
+    best_multi = min((k for k in piped if not k.endswith(" x1")), key=piped.get, default=best)
+    return {"median_ms": med, "ratio": med["comm flat"] / med["compute"],
+            "speedup": {k: med["flat"] / v for k, v in piped.items()},
+            "best": best, "best_speedup": med["flat"] / piped[best],
+            "best_chunked": best_multi, "best_chunked_speedup": med["flat"] / piped[best_multi]}
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    def cmd(*argv: str) -> str:
+        try:
+            return subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+    import torch
+    model = next((ln.split(":", 1)[1].strip() for ln in cmd("lscpu").splitlines() if ln.startswith("Model name")), "")
+    return {"nproc": cmd("nproc"), "cpu": model, "kernel": platform.release(), "python": platform.python_version(),
+            "torch": torch.__version__, "loadavg_at_start": os.getloadavg()}
+
+
+def print_a2a(rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        links = row["links"]
+        print(f"\n(a) all-to-all on {row['nodes']}x{row['ranks_per_node']} at {row['inter_node_mbit']:g} Mbit/s "
+              f"(inter latency {links['inter_latency_us']:.0f} us, p2p {links['inter_gb_per_s'] * 1e3:.1f} MB/s; "
+              f"intra {links['intra_latency_us']:.0f} us, {links['intra_gb_per_s']:.2f} GB/s)")
+        algs = list(next(iter(row["sweep"].values())))
+        print(f"{'bytes/rank':>10} " + " ".join(f"{a:>13}" for a in algs) + f" {'model flat':>11} {'model hier':>11}")
+        for size, by_alg in row["sweep"].items():
+            pred = row["predicted_ms"][size]
+            print(f"{int(size):>10} " + " ".join(f"{_median_ms(by_alg[a]):>10.2f} ms" for a in algs)
+                  + f" {pred['flat']:>8.2f} ms {pred['hierarchical']:>8.2f} ms")
+
+
+def print_moe(moe: dict[str, Any]) -> None:
+    for run in (moe["shaped"], moe["unshaped"]):
+        link = f"{run['inter_node_mbit']:g} Mbit/s" if run["inter_node_mbit"] else "unshaped veth"
+        print(f"\n(b) MoE layer fwd+bwd on 2x1, {link}: {run['tokens']} tokens/rank x {run['hidden']} fp32, "
+              f"{run['experts_per_rank']} experts/rank, {run['bytes_per_a2a'] / 2**20:.2f} MiB per all-to-all")
+        for case in run["cases"]:
+            s = case["summary"]
+            med = s["median_ms"]
+            variants = " ".join(f"{k}={med[k]:.0f}" for k in med if " x" in k)
+            print(f"  ffn {case['ffn']:>6}: ratio {s['ratio']:.2f} (comm {med['comm flat']:.0f} / compute "
+                  f"{med['compute']:.0f} ms); flat {med['flat']:.0f} ms; {variants}; best {s['best']} "
+                  f"{s['best_speedup']:.2f}x, best chunked {s['best_chunked']} {s['best_chunked_speedup']:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small subset (about a minute)")
+    parser.add_argument("--json", type=Path, help="write all measurements to this file")
+    parser.add_argument("--plot", type=Path, help="write PNG plots into this directory")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per emulated run")
+    args = parser.parse_args(argv)
+    reason = emulation_available()
+    if reason is not None:
+        print(f"cannot run the all-to-all benchmark: {reason}", file=sys.stderr)
+        return 2
+    cfg = QUICK if args.quick else FULL
+    start = time.perf_counter()
+    result = {"command": " ".join(["python -m piper_core.bench.alltoall", *(argv if argv is not None else sys.argv[1:])]),
+              "machine": machine(), "config": asdict(cfg),
+              "emulation": {"subnet": str(SUBNET), "tbf_latency_ms": TBF_LATENCY_MS,
+                            "tbf_burst_bytes": {str(m): tbf_burst_bytes(m) for m in {*cfg.a2a_mbits, cfg.moe_mbit}}}}
+    result["a2a"] = run_a2a(cfg, args.timeout)
+    print_a2a(result["a2a"])
+    result["moe"] = run_moe(cfg, args.timeout)
+    print_moe(result["moe"])
+    acc = result["moe"]["acceptance"]
+    print(f"\nacceptance: at ratio {acc['ratio_near_1']:.2f} best chunked {acc['best_chunked']} "
+          f"{acc['best_chunked_speedup']:.2f}x over flat (target 1.3x: {'met' if acc['meets_1_3x'] else 'NOT met'}; "
+          f"best of all {acc['best_any']} {acc['best_any_speedup']:.2f}x); small communication "
+          f"(ratio {acc['small_comm_ratio']:.2f}): best chunked {acc['small_comm_best_chunked']} costs "
+          f"{acc['small_comm_chunked_cost_pct']:+.1f} % (target <= 3 %: {'met' if acc['meets_3pct'] else 'NOT met'})")
+    result["wall_s"] = time.perf_counter() - start
+    print(f"\ntotal {result['wall_s']:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.plot:
+        from piper_core.bench.alltoall_plot import plot_all
+        for path in plot_all(result, args.plot):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
