@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from piper_core.cli.plan import default_gbs, describe
+from piper_core.cli.parse import add_target_args
 from piper_core.cli.progress import Progress
 from piper_core.errors import SpecError, nearest
 from piper_core.presets import load_cluster, load_model
@@ -47,9 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("capacity", help="largest model of a family that fits, and its plan",
                        description="Grow one size of MODEL (experts, layers or width) to the largest that some "
                                    "parallel plan fits in memory on --gpus GPUs; report it, its plan, MFU and memory.")
-    p.add_argument("model", help="model preset name or ModelSpec YAML path (the family's base member)")
-    p.add_argument("--cluster", required=True, help="cluster preset name or ClusterSpec YAML path")
-    p.add_argument("--gpus", type=int, required=True, help="world size")
+    add_target_args(p, "model preset name or ModelSpec YAML path (the family's base member)")
     p.add_argument("--scale", required=True, help="what grows: experts, layers or width")
     p.add_argument("--gbs", type=int, help="global batch size in sequences (default: as piper plan)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

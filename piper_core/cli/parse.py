@@ -3,6 +3,7 @@ files use YAML keys)."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 from piper_core.errors import SpecError, nearest
@@ -65,3 +66,10 @@ def parse_parallel(text: str, gpus: int, **defaults: Any) -> ParallelPlan:
         raise SpecError("--parallel gbs", None, "the global batch size is required",
                         "add gbs=<sequences per step>, e.g. gbs=1024")
     return ParallelPlan(gpus=gpus, **fields)
+
+
+def add_target_args(p: argparse.ArgumentParser, model_help: str = "model preset name or ModelSpec YAML path") -> None:
+    """The positional MODEL and the --cluster / --gpus options every planning command takes."""
+    p.add_argument("model", help=model_help)
+    p.add_argument("--cluster", required=True, help="cluster preset name or ClusterSpec YAML path")
+    p.add_argument("--gpus", type=int, required=True, help="world size (number of GPUs)")

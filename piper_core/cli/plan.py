@@ -7,6 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from piper_core.cli.parse import add_target_args
 from piper_core.cli.progress import Progress
 from piper_core.errors import SpecError
 from piper_core.presets import load_cluster, load_model
@@ -23,9 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="search all parallel plans and pick the best that fits",
                        description="Enumerate every valid plan, reject the infeasible with a reason, and rank the "
                                    "rest by predicted throughput (MFU).")
-    p.add_argument("model", help="model preset name or ModelSpec YAML path")
-    p.add_argument("--cluster", required=True, help="cluster preset name or ClusterSpec YAML path")
-    p.add_argument("--gpus", type=int, required=True, help="world size")
+    add_target_args(p)
     p.add_argument("--gbs", type=int, help="global batch size in sequences (default: the smallest multiple of "
                                            "--gpus reaching 4 Mi tokens per step)")
     p.add_argument("--seq", type=int, help="sequence length (default: the model's)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from piper_core.cli.parse import parse_parallel
+from piper_core.cli.parse import add_target_args, parse_parallel
 from piper_core.presets import load_cluster, load_model
 from piper_core.resource.memory import GIB
 from piper_core.resource.predict import Prediction, predict, to_json
@@ -20,9 +20,7 @@ HELP_PARALLEL = ("comma-separated key=value: tp, pp, vpp, ep, etp, cp, sp (0/1),
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("predict", help="parameters, FLOPs and memory per GPU of one plan",
                        description="Predict parameters, FLOPs and per-stage memory of one parallel plan.")
-    p.add_argument("model", help="model preset name or ModelSpec YAML path")
-    p.add_argument("--cluster", required=True, help="cluster preset name or ClusterSpec YAML path")
-    p.add_argument("--gpus", type=int, required=True, help="world size (number of GPUs)")
+    add_target_args(p)
     p.add_argument("--parallel", default="", help=HELP_PARALLEL)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=run)
