@@ -55,12 +55,9 @@ def _chunks(text: str) -> int | None:
     if text == "auto":
         return None
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--piper-chunks {text!r}: give 'auto' or a whole number >= 1")
-    return value
+        return _positive(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"--piper-chunks {text!r}: give 'auto' or a whole number >= 1") from None
 
 
 def _positive(text: str) -> int:

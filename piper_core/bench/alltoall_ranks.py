@@ -69,20 +69,26 @@ def _side_by_side(variants: dict[str, Callable[[], object]], rounds: int, warmup
     return out
 
 
-def _ping_pong(peer: int, me: int, nbytes: int, reps: int) -> float:
-    """Median seconds of rank 0 <-> ``peer`` round trips of ``nbytes`` (other ranks idle)."""
-    buf = torch.zeros(max(1, nbytes // 4))
+def _round_trip(peer: int, me: int, out_bytes: int, back_bytes: int, reps: int) -> float:
+    """Median seconds of rank 0 sending ``out_bytes`` to ``peer`` and getting ``back_bytes`` back
+    (other ranks idle)."""
+    out, back = torch.zeros(max(1, out_bytes // 4)), torch.zeros(max(1, back_bytes // 4))
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         if me == 0:
-            dist.send(buf, peer)
-            dist.recv(buf, peer)
+            dist.send(out, peer)
+            dist.recv(back, peer)
         elif me == peer:
-            dist.recv(buf, 0)
-            dist.send(buf, 0)
+            dist.recv(out, 0)
+            dist.send(back, 0)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def _ping_pong(peer: int, me: int, nbytes: int, reps: int) -> float:
+    """Median seconds of rank 0 <-> ``peer`` round trips of ``nbytes`` each way."""
+    return _round_trip(peer, me, nbytes, nbytes, reps)
 
 
 def links(info: RankInfo, big_bytes: int) -> dict[str, float]:
@@ -108,18 +114,8 @@ def links(info: RankInfo, big_bytes: int) -> dict[str, float]:
 
 
 def _send_time(peer: int, me: int, nbytes: int) -> float:
-    payload, ack = torch.zeros(nbytes // 4), torch.zeros(1)
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        if me == 0:
-            dist.send(payload, peer)
-            dist.recv(ack, peer)
-        elif me == peer:
-            dist.recv(payload, 0)
-            dist.send(ack, 0)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """``nbytes`` one way and a 4-byte acknowledgement back, median of three."""
+    return _round_trip(peer, me, nbytes, 4, 3)
 
 
 def a2a_sweep(info: RankInfo, sizes: list[int], algorithms: list[str], rounds: int) -> dict[str, object]:
