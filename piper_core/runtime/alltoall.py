@@ -95,6 +95,12 @@ class PendingExchange:
     Stage ``k`` is posted asynchronously; :meth:`advance` waits for it and posts stage ``k + 1``
     (so a multi-stage exchange can progress between two pieces of compute); :meth:`wait` runs the
     remaining stages and returns the output ``[rows_out, ...]``.
+
+    Stages that are a group of one on *every* member (e.g. the intra-node stages with one rank per
+    node) move no data: they are run locally (their reordering only) as soon as they are reached, so
+    the first real communication is posted when the exchange starts, and :meth:`advance` does not
+    block on a stage that is followed only by such stages. They are skipped on every rank alike, so
+    the order of collectives on each group stays the same on every rank.
     """
 
     def __init__(self, x: torch.Tensor, route: Route, comm: A2AComm, op: str):
@@ -106,6 +112,7 @@ class PendingExchange:
         self._buf: torch.Tensor | None = None
         self._works: list[dist.Work] = []
         self._keep: tuple[torch.Tensor, ...] = ()
+        self._waited = False
         self._post(x)
 
     @property
@@ -113,20 +120,21 @@ class PendingExchange:
         return self._stage >= len(self._route.stages)
 
     def advance(self) -> None:
-        """If a stage other than the last is in flight, finish it and post the next."""
-        if self._stage < len(self._route.stages) - 1:
+        """If a stage is in flight and a stage that communicates follows it, finish it and post the next."""
+        stages = self._route.stages
+        if self._stage < len(stages) and any(not _trivial(s) for s in stages[self._stage + 1:]):
             self._finish()
             self._post(self._buf)
 
     def wait(self) -> torch.Tensor:
         """Finish every stage; the output, rows in source order."""
-        if self.done:
+        if self._waited:
             raise RuntimeError(f"{self._op}: wait() was already called on this exchange")
-        while True:
+        self._waited = True
+        while not self.done:
             self._finish()
-            if self.done:
-                break
-            self._post(self._buf)
+            if not self.done:
+                self._post(self._buf)
         out = self._buf
         self._buf = None
         idx = self._route.final_index
@@ -139,16 +147,28 @@ class PendingExchange:
                                rank=self._comm.global_rank)
 
     def _post(self, buf: torch.Tensor) -> None:
-        stage = self._route.stages[self._stage]
+        """Post the current stage; first run locally every stage that is trivial on every member
+        (possibly all the remaining ones, leaving the output in ``_buf`` and nothing in flight)."""
+        stages = self._route.stages
+        while self._stage < len(stages) and _trivial(stages[self._stage]):
+            index = stages[self._stage].send_index
+            buf = buf if index is None else buf.index_select(0, index)
+            self._stage += 1
+        if self._stage >= len(stages):
+            self._buf, self._works, self._keep = buf.contiguous(), [], ()
+            return
+        stage = stages[self._stage]
         if stage.send_index is not None:
             buf = buf.index_select(0, stage.send_index)
         buf = buf.contiguous()
-        if len(stage.members) == 1:  # a group of one: the data stays
+        if len(stage.members) == 1:  # a group of one here (not on every member): the data stays
             self._buf, self._works, self._keep = buf, [], ()
             return
         out = buf.new_empty((sum(stage.output_splits), *buf.shape[1:]))
         what = self._what(stage)
-        if stage.spec.p2p:
+        if stage.spec.p2p or (stage.spec.scope is Scope.ALL and _is_gloo(self._comm.group)):
+            # gloo's all_to_all_single often runs a link one direction at a time; point-to-point
+            # messages with every receive posted first use both directions (same rows, same order)
             works = timeouts.launch(what, lambda: _post_p2p(out, buf, stage, self._comm))
         else:
             group = self._comm.group_for(stage.spec.scope)
@@ -165,13 +185,23 @@ class PendingExchange:
         self._stage += 1
 
 
+def _is_gloo(group: dist.ProcessGroup) -> bool:
+    return str(dist.get_backend(group)) == "gloo"
+
+
+def _trivial(stage: StagePlan) -> bool:
+    """A stage whose groups all have one member: no rank sends anything in it."""
+    return all(len(group) == 1 for group in stage.spec.members)
+
+
 def _post_p2p(out: torch.Tensor, buf: torch.Tensor, stage: StagePlan, comm: A2AComm) -> list[dist.Work]:
     """Point-to-point stage: one message per peer with rows (empty ones are not sent: both sides
     know the counts); the rows that stay are copied locally. ``batch_isend_irecv`` groups the
-    messages, which NCCL needs when two ranks send to each other."""
+    messages, which NCCL needs when two ranks send to each other. Every receive is posted before
+    any send (gloo runs the ops in list order): a link then carries both directions at once."""
     if stage.spec.scope is not Scope.ALL:
         raise RuntimeError(f"p2p stage {stage.spec.name!r} must span the whole group")
-    ranks, ops = comm.layout.ranks, []
+    ranks, recv_ops, send_ops = comm.layout.ranks, [], []
     sends = torch.split(buf, list(stage.input_splits))
     recvs = torch.split(out, list(stage.output_splits))
     for peer in stage.members:
@@ -179,9 +209,10 @@ def _post_p2p(out: torch.Tensor, buf: torch.Tensor, stage: StagePlan, comm: A2AC
             recvs[peer].copy_(sends[peer])
             continue
         if recvs[peer].shape[0]:
-            ops.append(dist.P2POp(dist.irecv, recvs[peer], ranks[peer], group=comm.group))
+            recv_ops.append(dist.P2POp(dist.irecv, recvs[peer], ranks[peer], group=comm.group))
         if sends[peer].shape[0]:
-            ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), ranks[peer], group=comm.group))
+            send_ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), ranks[peer], group=comm.group))
+    ops = recv_ops + send_ops
     return dist.batch_isend_irecv(ops) if ops else []
 
 
