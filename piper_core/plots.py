@@ -42,7 +42,7 @@ def _figure(width: float, height: float) -> Any:
 
 
 def _subtitle(p: Prediction) -> str:
-    return f"{p.model.name} on {p.plan.gpus} x {p.cluster.accelerator.name} ({p.cluster.name})\n{plan_label(p.plan)}"
+    return f"{p.model.name} on {p.plan.gpus} x {p.cluster.accelerator.name} ({p.cluster.name})\n{plan_label(p.plan, gbs=True)}"
 
 
 def plot_timeline(path: Path, p: Prediction) -> Path:

@@ -10,6 +10,7 @@ from pathlib import Path
 from piper_core.cli.parse import add_target_args
 from piper_core.cli.progress import Progress
 from piper_core.errors import SpecError
+from piper_core.export import plan_label as describe
 from piper_core.presets import load_cluster, load_model
 from piper_core.resource.memory import GIB
 from piper_core.resource.params import total_params
@@ -117,17 +118,6 @@ def plan_json(result: SearchResult, best: list[Prediction], gbs: int) -> dict:
             "global_batch_size": gbs,
             "search": {"elapsed_s": result.elapsed_s, "plans_per_s": result.plans_per_s},
             "plans": [to_json(p) for p in best]}
-
-
-def describe(plan) -> str:
-    """Compact plan label, e.g. ``tp2 pp4 vpp2 ep8 etp1 cp1 mbs1 sel dopt pipelined/4``."""
-    a2a = plan.a2a + (f"/{plan.a2a_chunks}" if plan.a2a == "pipelined" else "")
-    rc = {"none": "norc", "selective": "sel", "full": f"full{plan.recompute_num_layers}"}[plan.recompute]
-    last = f" last{plan.num_layers_in_last_pipeline_stage}" if plan.num_layers_in_last_pipeline_stage else ""
-    savers = (" gbf16" if plan.grad_reduce_in_bf16 else "") + (
-        f" off{plan.optimizer_offload_fraction:g}" if plan.optimizer_offload_fraction else "")
-    return (f"tp{plan.tp} pp{plan.pp}{last} vpp{plan.vpp or 1} cp{plan.cp} ep{plan.ep} etp{plan.etp_size} "
-            f"mbs{plan.micro_batch_size} {rc} {'dopt' if plan.distributed_optimizer else 'nodopt'}{savers} {a2a}")
 
 
 def render(model: str, cluster: str, gpus: int, gbs: int, result: SearchResult, best: list[Prediction]) -> str:
