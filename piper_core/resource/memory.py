@@ -87,12 +87,6 @@ def in_flight_chunks(plan: ParallelPlan, rank: int) -> int:
     return min(warmup + 1, m * plan.vpp)
 
 
-def layer_input_bytes(model: ModelSpec, plan: ParallelPlan) -> int:
-    """The [s/cp, b, h] layer input (split over tp with sequence parallelism), kept by full recompute."""
-    tokens = model.seq_length // plan.cp * plan.micro_batch_size
-    return tokens * model.hidden_size * 2 // (plan.tp if plan.sequence_parallel else 1)
-
-
 @functools.lru_cache(maxsize=65536)
 def _layer_bytes(model: ModelSpec, plan: ParallelPlan, moe: bool) -> int:
     return activations.layer_activation_bytes(model, plan, moe=moe)
@@ -113,14 +107,17 @@ def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: 
         if plan.recompute != "full":
             per_mb += sum(full[moe] for moe in chunk)
             continue
-        # uniform: every layer, checkpointed in groups of n; block: the first n of the chunk
-        redo = chunk if plan.recompute_method == "uniform" else chunk[:n]
-        kept = () if plan.recompute_method == "uniform" else chunk[n:]
+        # uniform: every layer, checkpointed in groups of n; block: each of the first n layers of the
+        # chunk checkpointed on its own (TransformerBlock._checkpointed_forward)
+        uniform = plan.recompute_method == "uniform"
+        redo, kept = (chunk, ()) if uniform else (chunk[:n], chunk[n:])
+        group = n if uniform else 1
         per_mb += sum(full[moe] for moe in kept)
         if redo:
-            groups = math.ceil(len(redo) / n) if plan.recompute_method == "uniform" else 1
-            per_mb += groups * layer_input_bytes(model, plan)
-            transient = max(transient, sum(full[moe] for moe in redo[:n]))
+            # a checkpointed group keeps only its input (the activation model's full-recompute term)
+            checkpoint = activations.layer_activation_bytes(model, plan, moe=False, recomputed=True)
+            per_mb += math.ceil(len(redo) / group) * checkpoint
+            transient = max(transient, sum(full[moe] for moe in redo[:group]))
     held = in_flight_chunks(plan, rank) * per_mb / len(chunks)
     if rank == 0:
         held += in_flight_chunks(plan, rank) / len(chunks) * activations.embedding_activation_bytes(model, plan)

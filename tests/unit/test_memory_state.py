@@ -94,3 +94,22 @@ def test_host_memory_limits_offload():
     result = search(SHORT, _cluster_fitting_only_offload(host_memory_gib_per_node=16.0), 8, 8, space=SMALL)
     assert not result.scored
     assert result.rejected["offloaded optimizer exceeds host memory"] == 1
+
+
+def test_full_recompute_uniform_and_block_layouts():
+    """uniform n=2 over 4 layers: 2 group inputs + one rebuilt group of 2; block n=2: 2 single-layer
+    checkpoints + 2 layers kept whole + one rebuilt layer (TransformerBlock._checkpointed_forward)."""
+    from piper_core.resource import activations
+    from piper_core.resource.memory import stage_memory as mem
+
+    tiny = load_model("tiny-moe")  # 4 MoE layers
+    base = dict(gpus=1, global_batch_size=1, recompute="full", recompute_num_layers=2)
+    none = ParallelPlan(gpus=1, global_batch_size=1)
+    layer = activations.layer_activation_bytes(tiny, none, moe=True)
+    ckpt = activations.layer_activation_bytes(tiny, ParallelPlan(**base), moe=True, recomputed=True)
+    edges = activations.embedding_activation_bytes(tiny, none) + activations.output_activation_bytes(tiny, none)
+    cpu = load_cluster("cpu-local")
+    uniform = mem(tiny, ParallelPlan(**base, recompute_method="uniform"), cpu)[0].activations
+    block = mem(tiny, ParallelPlan(**base, recompute_method="block"), cpu)[0].activations
+    assert uniform == 2 * ckpt + 2 * layer + edges
+    assert block == 2 * ckpt + 2 * layer + layer + edges
