@@ -7,8 +7,11 @@ PIPER  := $(VENV)/bin/piper
 STAMP  := $(VENV)/.piper-installed
 TORCH  ?= torch==2.13.0
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+# as root, measured runs use SCHED_FIFO ranks (--realtime) so other work on the machine does not
+# disturb their timings
+REALTIME := $(if $(filter 0,$(shell id -u)),--realtime,)
 
-.PHONY: install run test test-unit test-runtime test-emulate test-megatron test-deepspeed bench bench-alltoall bench-alltoall-smoke clean
+.PHONY: install run calibrate validate test test-unit test-runtime test-emulate test-megatron test-deepspeed bench bench-alltoall bench-alltoall-smoke clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -22,9 +25,21 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 # The main job on built-in defaults: plan the 1T Switch recipe on 1024 DGX H100 GPUs and show the
-# full prediction of the plan the scheduler picks.
+# full prediction of the plan the scheduler picks; then train the recipe's CPU twin through the
+# --piper path on 2 local ranks (calibrating this machine first if .piper/profiles has no profile)
+# and print predicted and measured step time side by side.
 run: install
 	$(PIPER) plan switch-1t --cluster dgx-h100 --gpus 1024 --gbs 2048 --top 5 --detail
+	$(PY) -m piper_megatron.twin --ranks 2 $(REALTIME)
+
+# Calibration and validation (docs/validation.md): the profiles of the validation topologies and the
+# full measured-vs-predicted table (the emulated 2-node cases need root; minutes).
+calibrate: install
+	$(PIPER) calibrate --out .piper/profiles/local-2.yaml --ranks 2 $(REALTIME)
+
+validate: install
+	$(PIPER) validate $(REALTIME) --recalibrate --profiles docs/validation/profiles \
+	  --json docs/validation/results.json --plot docs/validation
 
 # Benchmarks (not part of `make test`): scheduler search speed over the full space; the all-to-all
 # and the pipelined MoE layer on the emulated 2-node cluster (root, ~7 min; docs/alltoall.md).

@@ -175,11 +175,17 @@ def megatron_args(p: Prediction) -> str:
              f"# The vocabulary ({model.vocab_size}) comes from your tokenizer.", ""]
     for var, value, why in environment(plan):
         lines += [f"# {line}" for line in why] + [f"export {var}={value}"]
-    lines += ["", *_bash_array("PIPER_MEGATRON_ARGS", model_flags(model) + parallel_flags(model, plan)), "",
-              "# Piper's all-to-all for the MoE layers: these flags need the Piper launcher, which runs the",
-              "# script with the sizes above pinned, e.g. torchrun ... -m piper_megatron pretrain_gpt.py",
-              f'#   "${{PIPER_MEGATRON_ARGS[@]}}" --piper --piper-cluster {p.cluster.name} "${{PIPER_ARGS[@]}}" ...',
-              *_bash_array("PIPER_ARGS", piper_flags(plan))]
+    lines += ["", *_bash_array("PIPER_MEGATRON_ARGS", model_flags(model) + parallel_flags(model, plan)), ""]
+    if model.is_moe and plan.etp_size > 1:
+        # Piper's token dispatcher runs etp 1 (piper_megatron refuses a pinned etp > 1)
+        lines += [f"# This plan uses expert tensor parallelism (etp={plan.etp_size}): run it with stock Megatron-LM.",
+                  "# Piper's token dispatcher runs etp 1, so `--piper` refuses these sizes pinned; to use it,",
+                  "# launch with --piper and only the model flags, and let the launcher plan (it searches etp 1)."]
+    else:
+        lines += ["# Piper's all-to-all for the MoE layers: these flags need the Piper launcher, which runs the",
+                  "# script with the sizes above pinned, e.g. torchrun ... -m piper_megatron pretrain_gpt.py",
+                  f'#   "${{PIPER_MEGATRON_ARGS[@]}}" --piper --piper-cluster {p.cluster.name} "${{PIPER_ARGS[@]}}" ...']
+    lines += _bash_array("PIPER_ARGS", piper_flags(plan))
     return "\n".join(lines) + "\n"
 
 
@@ -209,6 +215,9 @@ def deepspeed_compatible(plan: ParallelPlan) -> str | None:
     if 0 < plan.optimizer_offload_fraction < 1:
         return (f"optimizer_offload_fraction={plan.optimizer_offload_fraction:g}: DeepSpeed offloads part of the "
                 "optimizer only under ZeRO-3, which DeepSpeed-MoE refuses")
+    if plan.recompute != "none":
+        return (f"recompute={plan.recompute}: a DeepSpeed config cannot make the model recompute (activation "
+                "checkpointing is in the model's code)")
     return None
 
 

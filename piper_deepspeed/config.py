@@ -10,7 +10,9 @@ Keys (the block ``piper plan --export-deepspeed`` writes loads unchanged; ``pipe
 
     "piper": {
       "enabled": true,              # false (or no block): DeepSpeed runs untouched
-      "cluster": "dgx-h100",        # required when enabled: a cluster preset or ClusterSpec YAML path
+      "cluster": "dgx-h100",        # a cluster preset or ClusterSpec YAML path; or instead:
+      "profile": null,              # a calibrated profile written by `piper calibrate` (exactly one of
+                                    # cluster and profile when enabled)
       "model": "switch-1t",         # model preset, ModelSpec YAML path or ModelSpec mapping; optional
                                     # when the model was built by piper_deepspeed.builder
       "a2a": "auto",                # auto | flat | hierarchical | pipelined
@@ -18,7 +20,6 @@ Keys (the block ``piper plan --export-deepspeed`` writes loads unchanged; ``pipe
       "memory_headroom": 0.0,       # fraction of usable GPU memory the plan keeps free, in [0, 1)
       "plan_only": false,           # true: rank 0 prints the plan, then PlanOnly (SystemExit 0)
       "trace": null,                # directory: per-rank JSON lines of the all-to-all schedule, plan.json
-      "profile": null,              # calibration profile: not read yet (piper calibrate is to come)
       "plan": {"tp": 1, "pp": 1, "ep": 8, "etp": 1, "cp": 1, "vpp": 1, "mbs": 2, "recompute": "none"},
                                     # optional: pins the plan (no search); written by the export
       "predicted": {"mfu": 0.31, "step_s": 1.2, "peak_memory_gib": 61.0}   # informational
@@ -35,6 +36,7 @@ from typing import Annotated, Any, Literal
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationError
 
+from piper_core.calibrate.profile import load_profile
 from piper_core.errors import SpecError, nearest
 from piper_core.presets import cluster_names, load_cluster, load_model, model_names
 from piper_core.specs.cluster import ClusterSpec
@@ -94,15 +96,15 @@ class PiperConfig(DeepSpeedConfigModel):
         return cfg
 
     def _check_combinations(self) -> None:
-        if self.profile is not None:
-            raise SpecError("piper.profile", self.profile, "calibration profiles are not read yet (piper calibrate "
-                            "is still to come); plans use the cluster spec's roofline terms",
-                            "remove the key or set it to null")
+        if self.profile is not None and self.cluster is not None:
+            raise SpecError("piper.profile", self.profile, f"and piper.cluster ({self.cluster!r}) are exclusive: a "
+                            "profile holds its own calibrated cluster", "remove one of them")
         if not self.enabled:
             return
-        if self.cluster is None:
-            raise SpecError("piper.cluster", None, "is required: the scheduler plans for the cluster the job runs on",
-                            f"set it to a preset ({', '.join(cluster_names())}) or a ClusterSpec YAML path")
+        if self.cluster is None and self.profile is None:
+            raise SpecError("piper.cluster", None, "is required (or piper.profile): the scheduler plans for the "
+                            "cluster the job runs on", f"set it to a preset ({', '.join(cluster_names())}) or a "
+                            "ClusterSpec YAML path, or set piper.profile to a profile from `piper calibrate`")
         if isinstance(self.chunks, int) and self.a2a in ("flat", "hierarchical") and self.chunks != 1:
             raise SpecError("piper.chunks", self.chunks, f'pipeline chunks apply only to a2a "pipelined" '
                             f'(a2a is "{self.a2a}")', 'set "a2a": "pipelined" or remove "chunks"')
@@ -119,7 +121,10 @@ class PiperConfig(DeepSpeedConfigModel):
         return pipelined if self.a2a == "pipelined" else ((self.a2a, 1),)
 
     def cluster_spec(self) -> ClusterSpec:
+        """The cluster to plan for: the profile's calibrated cluster, or the ``cluster`` preset/YAML."""
         try:
+            if self.profile is not None:
+                return load_profile(self.profile)
             return load_cluster(self.cluster or "")
         except SpecError as exc:
             raise _prefixed(exc) from None
@@ -162,7 +167,8 @@ def _prefixed(exc: SpecError) -> SpecError:
 _RULES: dict[str, tuple[str, str]] = {
     "enabled": ("must be true or false", "write true or false"),
     "cluster": ("must be a cluster preset name or a ClusterSpec YAML path", "write a string, e.g. \"dgx-h100\""),
-    "profile": ("must be a path or null", "remove the key or set it to null"),
+    "profile": ("must be the path of a profile written by piper calibrate, or null",
+                'write e.g. "profile": "me.yaml", or remove the key'),
     "a2a": ("must be one of auto, flat, hierarchical, pipelined", 'write e.g. "a2a": "pipelined"'),
     "chunks": ('must be an int >= 1 or "auto"', 'write e.g. "chunks": 4 or "chunks": "auto"'),
     "memory_headroom": ("must be a number in [0, 1): the fraction of usable GPU memory kept free",

@@ -1,7 +1,7 @@
 """Train a Switch-style decoder on DeepSpeed-MoE, built from a Piper model spec.
 
     python -m piper_deepspeed.train --config ds.json --model tiny-moe --steps 20 --spawn 4
-    deepspeed --num_gpus 8 -m piper_deepspeed.train --config ds.json --model switch-1t ...
+    deepspeed --num_gpus 8 --module piper_deepspeed.train --config ds.json --model switch-1t ...
     torchrun --nproc-per-node 8 -m piper_deepspeed.train --config ds.json --model switch-1t ...
 
 With a ``"piper"`` block in the config, the plan comes from :func:`piper_deepspeed.plan_for` for the
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from piper_core.errors import SpecError
+from piper_core.errors import Infeasible, SpecError
 from piper_core.presets import load_model
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
@@ -120,6 +120,22 @@ def model_spec(args: TrainArgs) -> ModelSpec:
     raise SpecError("--model", None, "the model to train is needed", "pass --model PRESET|YAML or set piper.model")
 
 
+def _plan_only(args: TrainArgs, spec: ModelSpec, world: int, rank: int) -> None:
+    """With ``piper.plan_only``: print the plan (rank 0) and stop before any model is built (a
+    plan-only run of a 1T model must not allocate it)."""
+    from piper_deepspeed.config import read_block
+    from piper_deepspeed.initialize import PlanOnly, node_topology, plan_for, report, rewrite_config
+
+    block = read_block(args.config)
+    if block is None or not block.enabled or not block.plan_only:
+        return
+    choice = plan_for(args.config, world, pipeline=args.pipeline, model_spec=spec)
+    _, changes = rewrite_config(args.config, choice)
+    if rank == 0:
+        print(report(choice, changes, args.config, topology=node_topology(choice.prediction.cluster, world)), flush=True)
+    raise PlanOnly(choice)
+
+
 def _layout(args: TrainArgs, spec: ModelSpec, world: int) -> ParallelPlan:
     """The plan the model is built for: Piper's with an enabled block, else ``--ep``/``--stages``."""
     from piper_deepspeed.config import read_block
@@ -139,6 +155,7 @@ def train(args: TrainArgs) -> Run:
 
     world, rank = dist.get_world_size(), dist.get_rank()
     spec = model_spec(args)
+    _plan_only(args, spec, world, rank)
     plan = _layout(args, spec, world)
     model = build_model(spec, plan, seed=args.seed, pipeline=args.pipeline, aux_loss_coeff=args.aux_loss_coeff)
     engine, _, _, _ = piper_deepspeed.initialize(model=model, model_parameters=model.parameters(), config=args.config)
@@ -212,6 +229,10 @@ def _run_rank(args: TrainArgs) -> None:
         train(args)
     except PlanOnly:
         pass
+    except (SpecError, Infeasible) as exc:  # the message, not a traceback
+        if dist.get_rank() == 0:
+            print(f"piper_deepspeed.train: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     finally:
         dist.destroy_process_group()
 

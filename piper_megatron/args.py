@@ -78,8 +78,7 @@ def add_piper_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "Piper's token dispatcher; sizes given on the command line are kept")
     group.add_argument("--piper-cluster", metavar="NAME|YAML", help="cluster preset name or ClusterSpec YAML")
     group.add_argument("--piper-profile", metavar="YAML", type=Path,
-                       help="calibrated cluster profile (for now: a ClusterSpec YAML, used in place of "
-                            "--piper-cluster)")
+                       help="calibrated profile written by `piper calibrate` (instead of --piper-cluster)")
     group.add_argument("--piper-a2a", choices=A2A_FLAGS, default="auto",
                        help="MoE all-to-all: auto (the scheduler picks), flat, hierarchical or pipelined")
     group.add_argument("--piper-chunks", type=_chunks, default=None, metavar="N|auto",
@@ -118,7 +117,7 @@ def piper_options(ns: argparse.Namespace) -> PiperOptions:
                         "add --piper-plan-only, or drop --piper-world-size and launch with torchrun")
     if options.profile is not None and options.profile.suffix not in (".yaml", ".yml"):
         raise SpecError("--piper-profile", str(options.profile), "must be a YAML file (.yaml or .yml)",
-                        "pass the path of a ClusterSpec YAML")
+                        "pass the profile `piper calibrate --out` wrote")
     return options
 
 

@@ -38,10 +38,11 @@ from packaging.version import InvalidVersion, Version
 
 from piper_core.cli.plan import min_gpus, render
 from piper_core.errors import Infeasible, SpecError
+from piper_core.calibrate.profile import load_profile
 from piper_core.presets import load_cluster
 from piper_core.resource.predict import Prediction
 from piper_core.scheduler.search import SearchResult, best_predictions, search
-from piper_core.scheduler.space import default_space
+from piper_core.scheduler.space import SearchSpace, default_space
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
 from piper_megatron.args import (
@@ -107,10 +108,11 @@ class Planned:
 def _cluster(options: PiperOptions) -> tuple[ClusterSpec, list[str]]:
     if options.profile is not None:
         if not options.profile.is_file():
-            raise SpecError("--piper-profile", str(options.profile), "is not a file", "pass the path of a YAML file")
-        note = (f"--piper-profile {options.profile}: calibrated profiles are not implemented yet; loaded as a "
-                "ClusterSpec YAML" + (f" in place of --piper-cluster {options.cluster}" if options.cluster else ""))
-        return load_cluster(str(options.profile)), [note]
+            raise SpecError("--piper-profile", str(options.profile), "is not a file",
+                            "pass the profile `piper calibrate --out` wrote")
+        cluster = load_profile(options.profile)
+        instead = f" in place of --piper-cluster {options.cluster}" if options.cluster else ""
+        return cluster, [f"--piper-profile {options.profile}: calibrated cluster {cluster.name}{instead}"]
     if options.cluster is None:
         raise SpecError("--piper-cluster", None, "is required with --piper (the plan depends on the hardware)",
                         "name a preset (dgx-h100, dgx-a100, ...) or a ClusterSpec YAML")
@@ -132,9 +134,11 @@ def _attention(ns: Any) -> str:
 
 
 def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size: int,
-             defaults: dict[str, Any] | None = None) -> Planned:
+             defaults: dict[str, Any] | None = None,
+             limit: Callable[[SearchSpace], SearchSpace] | None = None) -> Planned:
     """Search the plans for the job ``ns`` describes (Megatron's argument names) on ``world_size``
-    GPUs, keeping the sizes written in ``argv``. Raises Infeasible when none fits."""
+    GPUs, keeping the sizes written in ``argv``. Raises Infeasible when none fits. ``limit``
+    narrows the search space further (e.g. to what a CPU trainer runs)."""
     if getattr(ns, "use_checkpoint_args", False) or getattr(ns, "yaml_cfg", None):
         raise SpecError("--use-checkpoint-args/--yaml-cfg", "given", "with --piper the sizes come from the "
                         "command line and the plan", "drop --use-checkpoint-args/--yaml-cfg, or run without --piper")
@@ -149,6 +153,8 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
         raise SpecError("--global-batch-size", None, "is required with --piper (Megatron's default, micro batch x "
                         "data parallel size, would change with the plan)", "add --global-batch-size N")
     space = restrict(default_space(model, cluster, world_size), pins)
+    if limit is not None:
+        space = limit(space)
     result = search(model, cluster, world_size, gbs, space=space, attention_backend=_attention(ns))
     kept = [s for s in result.scored if admits(s.plan, model, pins)]
     if len(kept) < len(result.scored):
@@ -179,7 +185,8 @@ def report(planned: Planned, changes: Sequence[Change], dispatcher: str | None) 
     """What rank 0 prints: the search, the plan with its predicted MFU and memory, why, what was
     pinned and what was set."""
     params = planned.top.params_total
-    size = f"{params / 1e12:.2f} T" if params >= 1e12 else f"{params / 1e9:.2f} B"
+    size = (f"{params / 1e12:.2f} T" if params >= 1e12 else f"{params / 1e9:.2f} B" if params >= 1e9
+            else f"{params / 1e6:.2f} M")
     lines = [f"piper: planning {planned.model.name} ({size} parameters) from the Megatron arguments for "
              f"{planned.gpus} GPUs of {planned.cluster.name}",
              *(f"piper: note: {note}" for note in planned.notes),

@@ -44,8 +44,9 @@ def plot_moe(run: dict[str, Any], path: Path) -> Path:
     ratios = [c["summary"]["ratio"] for c in cases]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for variant in cases[0]["summary"]["speedup"]:
-        ax.plot(ratios, [c["summary"]["speedup"][variant] for c in cases], marker="o",
-                linestyle="-" if variant.startswith("flat") else ":", label=variant)
+        ax.plot(ratios, [c["summary"]["speedup"][variant] for c in cases], marker="s" if variant == "auto" else "o",
+                linestyle=":" if variant == "auto" else "-", linewidth=2.5 if variant == "auto" else 1.5,
+                label=variant)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.axhline(1.3, color="grey", linewidth=0.8, linestyle="--", label="1.3x target")
     ax.set_xscale("log")
@@ -61,6 +62,11 @@ def plot_moe(run: dict[str, Any], path: Path) -> Path:
 
 
 def plot_all(result: dict[str, Any], directory: Path) -> list[Path]:
+    """The plots of whichever parts ``result`` holds."""
     directory.mkdir(parents=True, exist_ok=True)
-    return [plot_a2a(result["a2a"], directory / "alltoall_sizes.png"),
-            plot_moe(result["moe"]["shaped"], directory / "moe_pipelined.png")]
+    out = []
+    if "a2a" in result:
+        out.append(plot_a2a(result["a2a"], directory / "alltoall_sizes.png"))
+    if "moe" in result:
+        out.append(plot_moe(result["moe"]["shaped"], directory / "moe_pipelined.png"))
+    return out

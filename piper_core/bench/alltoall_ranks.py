@@ -21,6 +21,7 @@ from piper_core.emulate import RankInfo
 from piper_core.runtime import (
     A2AComm,
     Algorithm,
+    AutoChunks,
     NodeTopology,
     combine,
     create_comm,
@@ -178,8 +179,9 @@ class _MoeLayer:
         y, _ = dispatch(x, meta)
         combine(experts(y, meta.tokens_per_expert, None), meta).backward(self.grad)
 
-    def piped(self, experts: Callable[..., torch.Tensor], algorithm: str, chunks: int) -> None:
-        """Plan, ``moe_alltoall`` (pipelined when ``chunks`` > 1), backward."""
+    def piped(self, experts: Callable[..., torch.Tensor], algorithm: str, chunks: int | AutoChunks) -> None:
+        """Plan, ``moe_alltoall`` (pipelined when ``chunks`` > 1; chosen by measurement when it is an
+        :class:`AutoChunks`), backward."""
         x = self.x.detach().requires_grad_()
         meta = plan_dispatch(self.counts, comm=self.comm, algorithm=Algorithm(algorithm), chunks=chunks)
         moe_alltoall(x, meta, experts).backward(self.grad)
@@ -194,15 +196,17 @@ class _MoeLayer:
         return Experts(local=self.experts_per_rank, hidden=self.hidden, ffn=ffn, seed=1)
 
 
-def _width_for(layer: _MoeLayer, ratio: float, comm_s: float) -> int:
-    """FFN width whose experts take ``comm_s / ratio`` (fwd+bwd): scale from a 4096-wide probe, then
-    once more from a measurement at the first guess (GEMM speed is not linear in the width).
-    Rank 0's choice is broadcast so every rank builds the same experts."""
+def _width_for(layer: _MoeLayer, ratio: float, comm: Callable[[], object]) -> int:
+    """FFN width whose experts' fwd+bwd takes ``1 / ratio`` of ``comm``'s time: from a 4096-wide
+    probe, rescaled twice from measurements at the previous guess (GEMM speed is not linear in the
+    width); each measurement times ``comm`` and the experts side by side, so that both see the
+    same load on the (shared) machine. All ranks get the same times (slowest rank), hence the same
+    width; rank 0's is broadcast all the same."""
     ffn = 4096
-    for _ in range(2):
+    for _ in range(3):
         ex = layer.experts(ffn)
-        took = statistics.median(_side_by_side({"c": lambda ex=ex: layer.compute(ex)}, 3)["c"])
-        ffn = max(64, round(ffn * comm_s / ratio / took / 64) * 64)
+        got = _side_by_side({"comm": comm, "c": lambda ex=ex: layer.compute(ex)}, 3)
+        ffn = max(64, round(ffn * statistics.median(got["comm"]) / ratio / statistics.median(got["c"]) / 64) * 64)
     chosen = torch.tensor([ffn])
     dist.broadcast(chosen, 0)
     return int(chosen)
@@ -210,25 +214,31 @@ def _width_for(layer: _MoeLayer, ratio: float, comm_s: float) -> int:
 
 def moe_sweep(info: RankInfo, tokens: int, hidden: int, experts_per_rank: int, ratios: list[float],
               chunk_counts: list[int], algorithms: list[str], rounds: int,
-              ffns: list[int] | None = None) -> dict[str, object]:
+              ffns: list[int] | None = None, auto_candidates: list[int] | None = None,
+              auto_trials: int = 3) -> dict[str, object]:
     """MoE layer fwd+bwd: the flat unchunked path (the framework baseline) vs ``moe_alltoall`` with
-    each of ``algorithms`` at each of ``chunk_counts``, at each target communication/compute ratio.
+    each of ``algorithms`` at each of ``chunk_counts``, and (``auto_candidates`` given) ``auto``:
+    ``moe_alltoall`` with the flat algorithm and an :class:`AutoChunks` over those candidates, at
+    each target communication/compute ratio.
 
     Communication (``comm <alg>``) is the unchunked layer with identity experts; the ratio is taken
     against ``comm flat``. Compute is the experts' forward + backward alone. The FFN width for a
     target ratio comes from :func:`_width_for`; the ratio actually obtained is measured in the same
     rounds as the comparison. ``ffns`` (optional) fixes the widths instead (``ratios`` ignored).
-    Planning (``plan_dispatch``) is inside every timed step, as it is per step in training.
+    Planning (``plan_dispatch``) is inside every timed step, as it is per step in training. Per
+    case: every variant runs once (warm-up), then ``auto`` tunes (``len(auto_candidates) x
+    auto_trials`` steps, not timed here; its choice and its own measurements are recorded), then
+    the timed side-by-side rounds, ``auto`` among them with its choice fixed.
     """
     layer = _MoeLayer(info, tokens=tokens, hidden=hidden, experts_per_rank=experts_per_rank)
     comm_variants: dict[str, Callable[[], object]] = {"comm flat": lambda: layer.flat(_identity)}
     for alg in algorithms:
         if alg != "flat":
             comm_variants[f"comm {alg}"] = lambda alg=alg: layer.piped(_identity, alg, 1)
-    comm_s = statistics.median(_side_by_side(comm_variants, 5)["comm flat"]) if not ffns else 0.0
+    _side_by_side(comm_variants, 1)  # connections up, first-call costs paid
     cases = []
     for target in (ffns or ratios):
-        ffn = int(target) if ffns else _width_for(layer, target, comm_s)
+        ffn = int(target) if ffns else _width_for(layer, target, comm_variants["comm flat"])
         ex = layer.experts(ffn)
 
         def step(fn: Callable[[], None], ex: Experts = ex) -> Callable[[], None]:
@@ -239,7 +249,84 @@ def moe_sweep(info: RankInfo, tokens: int, hidden: int, experts_per_rank: int, r
         for alg in algorithms:
             for c in chunk_counts:
                 variants[f"{alg} x{c}"] = step(lambda alg=alg, c=c: layer.piped(ex, alg, c))
-        cases.append({"target_ratio": None if ffns else target, "ffn": ffn,
-                      "times": _side_by_side(variants, rounds)})
+        case: dict[str, object] = {"target_ratio": None if ffns else target, "ffn": ffn}
+        if auto_candidates:
+            auto = AutoChunks(layer.comm, candidates=tuple(auto_candidates), trials=auto_trials)
+            for fn in variants.values():  # warm-up, so that tuning does not see first-call costs
+                fn()
+            tune_start = time.perf_counter()
+            while auto.tuning:
+                dist.barrier()
+                step(lambda: layer.piped(ex, "flat", auto))()
+            case["auto"] = {"chosen": auto.chosen, "tuning_s": time.perf_counter() - tune_start,
+                            "medians_ms": {str(c): t * 1e3 for c, t in (auto.medians_s or {}).items()}}
+            variants["auto"] = step(lambda: layer.piped(ex, "flat", auto))
+        case["times"] = _side_by_side(variants, rounds, warmup=0 if auto_candidates else 1)
+        cases.append(case)
     return {"cases": cases, "tokens": tokens, "hidden": hidden, "experts_per_rank": experts_per_rank,
             "received_tokens": layer.received, "bytes_per_a2a": layer.bytes_per_a2a}
+
+
+def interference(info: RankInfo, nbytes: int, gemm: list[int], iters: int, reps: int) -> dict[str, object]:
+    """How much an exchange in flight slows a rank's compute: a fixed GEMM loop (``iters`` x
+    ``[m, k] @ [k, n]``, ``gemm = [m, k, n]``) alone, an ``nbytes`` point-to-point exchange each way
+    alone (receive posted first), and the GEMM loop started right after posting that exchange.
+    Interleaved, ``reps`` times; per rank: medians (ms) of the wall time and of the main thread's
+    CPU time and run-queue wait (``/proc/self/task/<tid>/schedstat``: network softirqs that
+    interrupt the thread are charged to its CPU time on kernels without IRQ time accounting).
+    Also torch's intra-op and inter-op thread counts."""
+    import os
+    import threading
+
+    tid = threading.get_native_id()
+
+    def sched() -> tuple[float, float]:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            run, wait, _ = (int(v) for v in f.read().split())
+        return run / 1e6, wait / 1e6
+
+    peer = (info.rank + info.ranks_per_node) % info.world_size
+    m, k, n = gemm
+    a, w = torch.randn(m, k), torch.randn(k, n)
+    send, recv = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+
+    def post() -> list[dist.Work]:
+        return dist.batch_isend_irecv([dist.P2POp(dist.irecv, recv, peer), dist.P2POp(dist.isend, send, peer)])
+
+    def loop() -> None:
+        for _ in range(iters):
+            torch.mm(a, w)
+
+    def measure(fn: Callable[[], object]) -> dict[str, float]:
+        dist.barrier()
+        r0, w0 = sched()
+        t0 = time.perf_counter()
+        fn()
+        wall = (time.perf_counter() - t0) * 1e3
+        r1, w1 = sched()
+        return {"wall": wall, "cpu": r1 - r0, "wait": w1 - w0}
+
+    for _ in range(2):
+        loop()
+        for work in post():
+            work.wait()
+    samples: dict[str, list[dict[str, float]]] = {"gemm alone": [], "exchange alone": [], "gemm during exchange": []}
+    for _ in range(reps):
+        samples["gemm alone"].append(measure(loop))
+        samples["exchange alone"].append(measure(lambda: [wk.wait() for wk in post()]))
+        # the GEMM's own time, from right after posting (the exchange may outlast it)
+        dist.barrier()
+        r0, w0 = sched()
+        works = post()
+        t0 = time.perf_counter()
+        loop()
+        wall = (time.perf_counter() - t0) * 1e3
+        r1, w1 = sched()
+        for work in works:
+            work.wait()
+        samples["gemm during exchange"].append({"wall": wall, "cpu": r1 - r0, "wait": w1 - w0})
+    out: dict[str, object] = {k: {q: statistics.median(s[q] for s in v) for q in ("wall", "cpu", "wait")}
+                              for k, v in samples.items()}
+    out.update(threads=torch.get_num_threads(), interop_threads=torch.get_num_interop_threads(),
+               loadavg=os.getloadavg())
+    return out

@@ -42,25 +42,45 @@ def a2a_tables(rows: list[dict[str, Any]]) -> str:
 
 
 def moe_tables(moe: dict[str, Any]) -> str:
-    """Per run: one row per expert width with the measured ratio, medians and speedups."""
+    """Per run: one row per expert width with the measured ratio, medians and speedups, and what
+    ``auto`` chose; then the interference probe."""
     out = []
-    for run in (moe["shaped"], moe["unshaped"]):
+    for key in ("shaped", "contrast", "unshaped"):
+        if key not in moe:
+            continue
+        run = moe[key]
         link = f"{run['inter_node_mbit']:g} Mbit/s" if run["inter_node_mbit"] else "unshaped veth"
         cases = sorted(run["cases"], key=lambda c: c["summary"]["ratio"])
         variants = list(cases[0]["summary"]["speedup"])
         out.append(f"\n**2x1, {link}**: {run['tokens']} tokens/rank, hidden {run['hidden']}, "
                    f"{run['experts_per_rank']} experts/rank, {run['bytes_per_a2a'] / 2**20:.2f} MiB per rank "
                    "per all-to-all; times are medians (ms) of side-by-side rounds; speedup = flat / variant.\n")
-        out.append("| ffn | comm/compute | comm flat | comm aggr. | compute | flat | "
-                   + " | ".join(variants) + " | best chunked (>=2) |")
-        out.append("|---:|---:|---:|---:|---:|---:|" + "---:|" * len(variants) + "---|")
+        out.append("| ffn | comm/compute | comm flat | compute | flat | " + " | ".join(variants)
+                   + " | best chunked (>=2) | auto chose (its medians, ms) |")
+        out.append("|---:|---:|---:|---:|---:|" + "---:|" * len(variants) + "---|---|")
         for case in cases:
             s, med = case["summary"], case["summary"]["median_ms"]
             cells = [f"{med[v]:.0f} ({s['speedup'][v]:.2f}x)" for v in variants]
-            agg = f"{med['comm aggregated']:.0f}" if "comm aggregated" in med else "-"
-            out.append(f"| {case['ffn']} | {s['ratio']:.2f} | {med['comm flat']:.0f} | {agg} | {med['compute']:.0f} | "
+            auto = case.get("auto")
+            chose = "-" if auto is None else (f"x{auto['chosen']} ("
+                                              + ", ".join(f"x{c} {t:.0f}" for c, t in auto["medians_ms"].items()) + ")")
+            out.append(f"| {case['ffn']} | {s['ratio']:.2f} | {med['comm flat']:.0f} | {med['compute']:.0f} | "
                        f"{med['flat']:.0f} | " + " | ".join(cells)
-                       + f" | {s['best_chunked']} {s['best_chunked_speedup']:.2f}x |")
+                       + f" | {s['best_chunked']} {s['best_chunked_speedup']:.2f}x | {chose} |")
+    if moe.get("interference"):
+        out.append("\n**Interference** (2x1; per rank: medians (ms) of a GEMM loop alone, an exchange alone, "
+                   "the GEMM loop with the exchange in flight; cpu = the GEMM thread's CPU time, wait = its "
+                   "time runnable but not running):\n")
+        out.append("| link | rank | GEMM alone (cpu / wait) | exchange alone | GEMM during exchange (cpu / wait) "
+                   "| GEMM slowed by |")
+        out.append("|---|---:|---:|---:|---:|---:|")
+        for row in moe["interference"]:
+            link = f"{row['inter_node_mbit']:g} Mbit/s" if row["inter_node_mbit"] else "unshaped"
+            for rank, r in enumerate(row["ranks"]):
+                g, e, d = r["gemm alone"], r["exchange alone"], r["gemm during exchange"]
+                out.append(f"| {link}, {row['bytes'] / 2**20:g} MiB each way | {rank} | {g['wall']:.1f} "
+                           f"({g['cpu']:.1f} / {g['wait']:.1f}) | {e['wall']:.1f} | {d['wall']:.1f} "
+                           f"({d['cpu']:.1f} / {d['wait']:.1f}) | {d['wall'] - g['wall']:+.1f} ms |")
     return "\n".join(out)
 
 
@@ -70,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m piper_core.bench.alltoall_report RESULT.json", file=sys.stderr)
         return 2
     result = json.loads(Path(args[0]).read_text())
-    print(a2a_tables(result["a2a"]))
-    print(moe_tables(result["moe"]))
+    if "a2a" in result:
+        print(a2a_tables(result["a2a"]))
+    if "moe" in result:
+        print(moe_tables(result["moe"]))
     return 0
 
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from piper_core.cli.plan import default_gbs, describe
-from piper_core.cli.parse import add_target_args
+from piper_core.cli.parse import add_target_args, target_cluster
 from piper_core.cli.progress import Progress
 from piper_core.errors import SpecError, nearest
-from piper_core.presets import load_cluster, load_model
+from piper_core.presets import load_model
 from piper_core.resource.memory import GIB
 from piper_core.resource.predict import Prediction, to_json
 from piper_core.scheduler.search import SearchResult, best_predictions, search
@@ -182,7 +182,7 @@ def capacity(model: ModelSpec, cluster: ClusterSpec, gpus: int, gbs: int, scale:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, cluster = load_model(args.model), load_cluster(args.cluster)
+    model, cluster = load_model(args.model), target_cluster(args)
     if args.gpus <= 0:
         raise SpecError("--gpus", args.gpus, "must be a positive number", "give the world size, e.g. --gpus 64")
     if args.gbs is not None and args.gbs <= 0:

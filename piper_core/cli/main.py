@@ -10,19 +10,22 @@ from piper_core.errors import SpecError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from piper_core.cli import capacity, plan, predict
+    from piper_core.cli import calibrate, capacity, plan, predict, validate
 
     parser = argparse.ArgumentParser(prog="piper", description="Resource model and planner for MoE training.")
     sub = parser.add_subparsers(dest="command", required=True)
     predict.add_parser(sub)
     plan.add_parser(sub)
     capacity.add_parser(sub)
+    calibrate.add_parser(sub)
+    validate.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # recorded in what a command writes
     try:
         return args.func(args)
     except SpecError as exc:

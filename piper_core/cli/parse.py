@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from piper_core.errors import SpecError, nearest
+from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.parallel import ParallelPlan
 
 # short CLI key -> ParallelPlan field
@@ -69,7 +70,25 @@ def parse_parallel(text: str, gpus: int, **defaults: Any) -> ParallelPlan:
 
 
 def add_target_args(p: argparse.ArgumentParser, model_help: str = "model preset name or ModelSpec YAML path") -> None:
-    """The positional MODEL and the --cluster / --gpus options every planning command takes."""
+    """The positional MODEL, the hardware (--cluster or --profile) and --gpus every planning command takes."""
     p.add_argument("model", help=model_help)
-    p.add_argument("--cluster", required=True, help="cluster preset name or ClusterSpec YAML path")
+    p.add_argument("--cluster", help="cluster preset name or ClusterSpec YAML path")
+    p.add_argument("--profile", metavar="PROFILE.yaml",
+                   help="calibrated profile written by `piper calibrate` (instead of --cluster)")
     p.add_argument("--gpus", type=int, required=True, help="world size (number of GPUs)")
+
+
+def target_cluster(args: argparse.Namespace) -> ClusterSpec:
+    """The cluster of --cluster or --profile: exactly one of them must be given."""
+    from piper_core.calibrate.profile import load_profile
+    from piper_core.presets import cluster_names, load_cluster
+
+    if args.cluster is not None and args.profile is not None:
+        raise SpecError("--cluster/--profile", f"{args.cluster} / {args.profile}", "give one of them: a profile "
+                        "holds its own calibrated cluster", f"drop --cluster {args.cluster} (or --profile)")
+    if args.profile is not None:
+        return load_profile(args.profile)
+    if args.cluster is None:
+        raise SpecError("--cluster/--profile", None, "the hardware is required", "give --cluster (a preset: "
+                        f"{', '.join(cluster_names())}, or a YAML path) or --profile PROFILE.yaml from piper calibrate")
+    return load_cluster(args.cluster)

@@ -7,11 +7,11 @@ import dataclasses
 import json
 from pathlib import Path
 
-from piper_core.cli.parse import add_target_args
+from piper_core.cli.parse import add_target_args, target_cluster
 from piper_core.cli.progress import Progress
 from piper_core.errors import SpecError
 from piper_core.export import plan_label as describe
-from piper_core.presets import load_cluster, load_model
+from piper_core.presets import load_model
 from piper_core.resource.memory import GIB
 from piper_core.resource.params import total_params
 from piper_core.resource.predict import Prediction, predict, to_json
@@ -47,7 +47,7 @@ def default_gbs(model: ModelSpec, gpus: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, cluster = load_model(args.model), load_cluster(args.cluster)
+    model, cluster = load_model(args.model), target_cluster(args)
     if args.seq is not None:
         model = dataclasses.replace(model, seq_length=args.seq)
     if args.gpus <= 0:
@@ -94,6 +94,9 @@ def _exports(args, model, cluster, best: Prediction, result: SearchResult) -> No
         write_plots(Path(args.plot), best, result)
 
 
+HOST_BYTES_PER_PARAM = 16
+
+
 def min_gpus(model: ModelSpec, cluster) -> tuple[int, str]:
     """Lower bound on GPUs for the model state alone, before activations: bf16 weights and
     gradients (4 bytes per parameter) when the optimizer can be offloaded to the host, else
@@ -101,7 +104,17 @@ def min_gpus(model: ModelSpec, cluster) -> tuple[int, str]:
     per_param, what = (4, "bf16 weights and gradients with the optimizer on the host") \
         if cluster.host_memory_gib_per_node > 0 else (18, "weights, gradients and Adam state")
     usable = (cluster.capacity_gib - cluster.memory_overhead_gib) * GIB
-    return -(-total_params(model) * per_param // int(usable)), f"{what} ({per_param} bytes per parameter)"
+    need = -(-total_params(model) * per_param // int(usable))
+    what = f"{what} ({per_param} bytes per parameter)"
+    if cluster.host_memory_gib_per_node > 0:
+        # the offloaded optimizer (fp32 master, Adam m and v, a pinned fp32 gradient: 16 bytes per
+        # parameter, memory.py) must fit the hosts of the nodes the job spans
+        nodes = -(-total_params(model) * HOST_BYTES_PER_PARAM // int(cluster.host_capacity_gib * GIB))
+        if nodes * cluster.gpus_per_node > need:
+            need = nodes * cluster.gpus_per_node
+            what = (f"the offloaded optimizer state ({HOST_BYTES_PER_PARAM} bytes per parameter) in "
+                    f"{cluster.host_capacity_gib:g} GiB of host memory per node ({nodes} nodes)")
+    return need, what
 
 
 def best_for_deepspeed(model: ModelSpec, cluster, result: SearchResult) -> Prediction | None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from piper_core.cli.parse import add_target_args, parse_parallel
-from piper_core.presets import load_cluster, load_model
+from piper_core.cli.parse import add_target_args, parse_parallel, target_cluster
+from piper_core.presets import load_model
 from piper_core.resource.memory import GIB
 from piper_core.resource.predict import Prediction, predict, to_json
 
@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, cluster = load_model(args.model), load_cluster(args.cluster)
+    model, cluster = load_model(args.model), target_cluster(args)
     plan = parse_parallel(args.parallel, args.gpus)
     result = predict(model, cluster, plan)
     print(json.dumps(to_json(result), indent=2) if args.json else render(result))

@@ -16,6 +16,7 @@ API::
         cluster.run(target, args, timeout_s=60)    # several runs on one cluster
         cluster.set_inter_node_mbit(50)            # reshape between runs (None: unshaped)
     emulated_cluster_spec(...)                     # the same cluster as the resource model sees it
+    run_local(world_size, target, args=(), timeout_s=120)   # the same on this host's loopback, no root
 
 ``target`` is ``"package.module:function"`` or ``"/path/file.py:function"``; the function is
 called in every rank as ``fn(info: RankInfo, *args)`` with the default gloo process group set up
@@ -26,7 +27,7 @@ by crashed runs (``piperemu-<dead pid>-*``) are removed the next time a cluster 
 This package imports no torch; only the rank processes (:mod:`piper_core.emulate.rank`) do.
 """
 
-from piper_core.emulate.launch import RankFailure, RankInfo, launch, run_emulated
+from piper_core.emulate.launch import LocalCluster, RankFailure, RankInfo, launch, run_emulated, run_local
 from piper_core.emulate.netns import (
     NAME_PREFIX,
     NODE_IFNAME,
@@ -42,7 +43,7 @@ from piper_core.emulate.netns import (
 from piper_core.emulate.spec import emulated_cluster_spec
 
 __all__ = [
-    "NAME_PREFIX", "NODE_IFNAME", "SUBNET", "EmulatedCluster", "EmulationError", "Node", "RankFailure",
-    "RankInfo", "cleanup_stale", "emulated_cluster_spec", "emulation_available", "launch",
-    "list_namespaces", "run_emulated", "tbf_burst_bytes",
+    "NAME_PREFIX", "NODE_IFNAME", "SUBNET", "EmulatedCluster", "EmulationError", "LocalCluster", "Node",
+    "RankFailure", "RankInfo", "cleanup_stale", "emulated_cluster_spec", "emulation_available", "launch",
+    "list_namespaces", "run_emulated", "run_local", "tbf_burst_bytes",
 ]

@@ -16,6 +16,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,61 @@ from piper_core.emulate.netns import NODE_IFNAME, EmulatedCluster, EmulationErro
 
 STORE_PORTS = range(20000, 30000)
 """TCP store port on node 0, drawn per run (node 0's namespace is private to the cluster, so no
-clash with the host; a fresh port per run avoids a previous run's socket in TIME_WAIT)."""
+clash with the host; a fresh port per run avoids a previous run's socket in TIME_WAIT). A
+:class:`LocalCluster` takes a free port of the host instead."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LocalNode:
+    """This host as one node: no namespace, loopback address."""
+
+    index: int = 0
+    netns: None = None
+    address: str = "127.0.0.1"
+
+
+class LocalCluster:
+    """``world_size`` ranks on this host (one node, gloo over loopback): the same launcher and
+    rank protocol as the emulated cluster, without namespaces or root."""
+
+    def __init__(self, world_size: int):
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size}: must be >= 1")
+        self.nodes = (LocalNode(),)
+        self.ranks_per_node = world_size
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks_per_node
+
+
+def run_local(world_size: int, target: str, args: Sequence[Any] = (), timeout_s: float = 120.0, *,
+              threads_per_rank: int | None = None, collective_timeout_s: float | None = None,
+              realtime: bool = False) -> list[Any]:
+    """:func:`launch` on ``world_size`` local ranks (no root needed, except for ``realtime``)."""
+    return launch(LocalCluster(world_size), target, args, timeout_s=timeout_s, threads_per_rank=threads_per_rank,
+                  collective_timeout_s=collective_timeout_s, realtime=realtime)
+
+
+REALTIME_PRIORITY = 10
+
+
+def check_realtime() -> None:
+    """Raise a clear error when this process may not start SCHED_FIFO ranks."""
+    try:
+        param = os.sched_param(REALTIME_PRIORITY)
+        old_policy, old_param = os.sched_getscheduler(0), os.sched_getparam(0)
+        os.sched_setscheduler(0, os.SCHED_FIFO, param)
+        os.sched_setscheduler(0, old_policy, old_param)
+    except (PermissionError, AttributeError, OSError) as exc:
+        raise ValueError(f"realtime=True: the ranks cannot run under SCHED_FIFO here ({exc}); run as root (or with "
+                         "CAP_SYS_NICE), or measure without --realtime") from None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 FAILURE_GRACE_S = 3.0
 """After the first rank fails, how long the others get to report (they usually fail too, naming
 the broken connection) before they are stopped."""
@@ -78,25 +133,35 @@ def check_target(target: str) -> None:
         raise ValueError(f"target={target!r}: module {where} cannot be imported from this environment")
 
 
-def launch(cluster: EmulatedCluster, target: str, args: Sequence[Any] = (), *, timeout_s: float = 120.0,
-           threads_per_rank: int | None = None, collective_timeout_s: float | None = None) -> list[Any]:
+def launch(cluster: EmulatedCluster | LocalCluster, target: str, args: Sequence[Any] = (), *, timeout_s: float = 120.0,
+           threads_per_rank: int | None = None, collective_timeout_s: float | None = None,
+           realtime: bool = False) -> list[Any]:
     """``[target(info_r, *args) for every rank r]`` over ``cluster``, each rank its own process.
 
     ``timeout_s`` bounds the whole call (start-up, process-group set-up, the target).
     Collectives time out after ``collective_timeout_s`` (default 0.8 x ``timeout_s``), so a rank
     blocked on a missing peer reports the operation before the launcher gives up.
     ``threads_per_rank`` sets torch's intra-op threads (default: cores / ranks, at least 1).
+    ``realtime``: the ranks run under the SCHED_FIFO policy at priority :data:`REALTIME_PRIORITY`
+    (needs root), so that other processes on a shared machine do not steal their cores in the middle
+    of a timed step: for measurements (``piper calibrate``, ``piper validate``). The kernel keeps 5 %
+    of each second for other processes (``sched_rt_runtime_us``), and every collective keeps its
+    deadline, so a stuck rank still fails rather than freezing the machine.
     """
     check_target(target)
     json.dumps(list(args))  # arguments travel as JSON: fail here, not in every rank
     world = cluster.world_size
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world)
-    what = f"{target} on {len(cluster.nodes)}x{cluster.ranks_per_node} emulated ranks"
+    local = isinstance(cluster, LocalCluster)
+    kind = "local" if local else "emulated"
+    what = f"{target} on {len(cluster.nodes)}x{cluster.ranks_per_node} {kind} ranks"
     work = Path(tempfile.mkdtemp(prefix="piperemu-run-"))
-    port = STORE_PORTS[secrets.randbelow(len(STORE_PORTS))]
+    port = _free_port() if local else STORE_PORTS[secrets.randbelow(len(STORE_PORTS))]
     try:
+        if realtime:
+            check_realtime()
         spec = {"target": target, "args": list(args), "threads": threads, "sys_path": sys.path,
-                "out_dir": str(work)}
+                "out_dir": str(work), "realtime": REALTIME_PRIORITY if realtime else None}
         infos = [asdict(_info(cluster, r, port, collective_timeout_s or 0.8 * timeout_s)) for r in range(world)]
         (work / "spec.json").write_text(json.dumps({**spec, "infos": infos}))
         procs = [_start(cluster, r, work, threads) for r in range(world)]
@@ -111,7 +176,7 @@ def launch(cluster: EmulatedCluster, target: str, args: Sequence[Any] = (), *, t
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _info(cluster: EmulatedCluster, rank: int, port: int, collective_timeout_s: float) -> RankInfo:
+def _info(cluster: EmulatedCluster | LocalCluster, rank: int, port: int, collective_timeout_s: float) -> RankInfo:
     node = cluster.nodes[rank // cluster.ranks_per_node]
     return RankInfo(rank=rank, world_size=cluster.world_size, node=node.index,
                     local_rank=rank % cluster.ranks_per_node, nodes=len(cluster.nodes),
@@ -120,15 +185,15 @@ def _info(cluster: EmulatedCluster, rank: int, port: int, collective_timeout_s: 
                     collective_timeout_s=collective_timeout_s)
 
 
-def _start(cluster: EmulatedCluster, rank: int, work: Path, threads: int) -> subprocess.Popen[bytes]:
+def _start(cluster: EmulatedCluster | LocalCluster, rank: int, work: Path, threads: int) -> subprocess.Popen[bytes]:
     node = cluster.nodes[rank // cluster.ranks_per_node]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": NODE_IFNAME, "OMP_NUM_THREADS": str(threads),
-           "PYTHONUNBUFFERED": "1"}
+    # a node without a namespace is this host (LocalCluster): gloo on loopback, no `ip netns exec`
+    ifname, prefix = ("lo", []) if node.netns is None else (NODE_IFNAME, ["ip", "netns", "exec", node.netns])
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": ifname, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     log = open(work / f"rank{rank}.log", "wb")  # noqa: SIM115 - the child owns it from here
     try:
         return subprocess.Popen(
-            ["ip", "netns", "exec", node.netns, sys.executable, "-m", "piper_core.emulate.rank",
-             str(work / "spec.json"), str(rank)],
+            [*prefix, sys.executable, "-m", "piper_core.emulate.rank", str(work / "spec.json"), str(rank)],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     finally:
         log.close()
@@ -198,7 +263,7 @@ def _collect(what: str, work: Path, procs: list[subprocess.Popen[bytes]], exit_o
 
 def run_emulated(nodes: int, ranks_per_node: int, inter_node_mbit: float | None, target: str,
                  args: Sequence[Any] = (), timeout_s: float = 120.0, *, threads_per_rank: int | None = None,
-                 collective_timeout_s: float | None = None) -> list[Any]:
+                 collective_timeout_s: float | None = None, realtime: bool = False) -> list[Any]:
     """Build a ``nodes`` x ``ranks_per_node`` cluster, run ``target`` on it, tear it down.
 
     Returns each rank's JSON-decoded return value, in rank order (arguments as for :func:`launch`). Raises :class:`RankFailure`
@@ -206,4 +271,4 @@ def run_emulated(nodes: int, ranks_per_node: int, inter_node_mbit: float | None,
     """
     with EmulatedCluster(nodes=nodes, ranks_per_node=ranks_per_node, inter_node_mbit=inter_node_mbit) as cluster:
         return cluster.run(target, args, timeout_s=timeout_s, threads_per_rank=threads_per_rank,
-                           collective_timeout_s=collective_timeout_s)
+                           collective_timeout_s=collective_timeout_s, realtime=realtime)

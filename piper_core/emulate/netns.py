@@ -246,13 +246,14 @@ class EmulatedCluster:
         self.inter_node_mbit = mbit
 
     def run(self, target: str, args: Sequence[Any] = (), *, timeout_s: float = 120.0,
-            threads_per_rank: int | None = None, collective_timeout_s: float | None = None) -> list[Any]:
+            threads_per_rank: int | None = None, collective_timeout_s: float | None = None,
+            realtime: bool = False) -> list[Any]:
         """Run ``target`` on every rank of this cluster; see :func:`piper_core.emulate.launch.launch`."""
         from piper_core.emulate.launch import launch
         if not self._up:
             raise EmulationError("the cluster is not up: use `with EmulatedCluster(...) as cluster:`")
         return launch(self, target, args, timeout_s=timeout_s, threads_per_rank=threads_per_rank,
-                      collective_timeout_s=collective_timeout_s)
+                      collective_timeout_s=collective_timeout_s, realtime=realtime)
 
     def teardown(self) -> None:
         """Kill the ranks still inside and delete this cluster's namespaces (safe to call twice)."""

@@ -50,6 +50,8 @@ def main(argv: list[str]) -> int:
     sys.path.extend(p for p in spec["sys_path"] if p not in sys.path)
     info = RankInfo(**spec["infos"][rank])
     out = Path(spec["out_dir"]) / f"rank{rank}.json"
+    if spec.get("realtime"):  # before torch starts its threads: they inherit the policy
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(spec["realtime"]))
     import torch
     import torch.distributed as dist
 

@@ -37,5 +37,11 @@ def load_model(ref: str) -> ModelSpec:
 
 
 def load_cluster(ref: str) -> ClusterSpec:
-    """A cluster preset by name (see :func:`cluster_names`) or a ClusterSpec YAML path."""
-    return load_yaml(ClusterSpec, _resolve("cluster", ref, cluster_names()))
+    """A cluster preset by name (see :func:`cluster_names`), a ClusterSpec YAML path, or a
+    calibration profile written by ``piper calibrate`` (its calibrated cluster)."""
+    from piper_core.calibrate.profile import is_profile, load_profile
+
+    path = _resolve("cluster", ref, cluster_names())
+    if is_profile(path):
+        return load_profile(path)
+    return load_yaml(ClusterSpec, path)

@@ -27,10 +27,17 @@ API (stable; the benchmarks and the adapters build on it)::
     # MoE dispatch (Megatron's layout: x sorted by global expert; E/W experts per member)
     exchange_counts(tokens_per_expert, *, comm) -> Tensor [W, E]     # one all-gather
     plan_dispatch(counts, *, comm, algorithm, chunks=1, device=None) -> DispatchMeta (frozen)
+        # chunks: an int, or an AutoChunks (below) that picks it by measurement
     dispatch(x, meta, *, probs=None) -> (tokens grouped by local expert, probs)   # chunks == 1
     combine(y, meta) -> Tensor                                                     # chunks == 1
     moe_alltoall(x, meta, experts, *, probs=None, on_event=None) -> Tensor  # pipelined, any chunks
         # experts(tokens [T, ...], tokens_per_expert: tuple[int, ...], probs [T, ...] | None) -> [T, ...]
+
+    # the chunk count chosen at run time (Tutel's adaptive pipelining degree; see .autochunks)
+    AutoChunks(comm, *, candidates=(1, 2, 4), trials=3, margin=0.05, device=None)
+        # plan_dispatch(..., chunks=auto): each candidate for `trials` steps (moe_alltoall times
+        # them), then one all-reduce (MAX) and the fewest chunks within `margin` of the fastest;
+        # .chosen (None while measuring), .medians_s, .reset()
 
     CollectiveError   # a stage failed or timed out; names the exchange, the stage, the ranks
 
@@ -50,6 +57,7 @@ from piper_core.runtime.alltoall import (
     plan_exchange,
     start_exchange,
 )
+from piper_core.runtime.autochunks import AutoChunks
 from piper_core.runtime.dispatch import ChunkPlan, DispatchMeta, combine, dispatch, exchange_counts, plan_dispatch
 from piper_core.runtime.groups import A2AComm, create_comm
 from piper_core.runtime.pipelined import ExpertFn, ScheduleEvent, moe_alltoall
@@ -57,7 +65,7 @@ from piper_core.runtime.timeouts import CollectiveError
 from piper_core.runtime.topology import Algorithm, NodeTopology, RankLayout, layout_for
 
 __all__ = [
-    "A2AComm", "Algorithm", "ChunkPlan", "CollectiveError", "DispatchMeta", "ExchangePlan", "ExpertFn",
+    "A2AComm", "Algorithm", "AutoChunks", "ChunkPlan", "CollectiveError", "DispatchMeta", "ExchangePlan", "ExpertFn",
     "NodeTopology", "PendingExchange", "RankLayout", "ScheduleEvent", "all_to_all", "all_to_all_flat",
     "combine", "create_comm", "dispatch", "exchange", "exchange_counts", "flat_plan", "layout_for",
     "moe_alltoall", "plan_dispatch", "plan_exchange", "start_exchange",

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from piper_core.errors import SpecError
 from piper_core.runtime import timeouts
 from piper_core.runtime.alltoall import ExchangePlan, check_device, exchange, plan_exchange
+from piper_core.runtime.autochunks import AutoChunks
 from piper_core.runtime.groups import A2AComm
 from piper_core.runtime.routes import reorder_rows
 from piper_core.runtime.topology import Algorithm
@@ -55,7 +56,9 @@ class ChunkPlan:
 class DispatchMeta:
     """A step's dispatch plan for this rank (see module doc). ``rows_in``: tokens this rank sends
     (``x.shape[0]``); ``rows_out``: tokens its experts get; ``tokens_per_expert``: per local expert,
-    all chunks; ``restore``: rows of the concatenated chunk outputs in ``x``'s order (None: as is)."""
+    all chunks; ``restore``: rows of the concatenated chunk outputs in ``x``'s order (None: as is);
+    ``tuner``: the :class:`AutoChunks` that chose ``chunks`` and wants this layer timed (None: a fixed
+    count, or the tuner has decided)."""
 
     algorithm: Algorithm
     chunks: int
@@ -66,6 +69,7 @@ class DispatchMeta:
     tokens_per_expert: tuple[int, ...]
     chunk: tuple[ChunkPlan, ...]
     restore: torch.Tensor | None
+    tuner: AutoChunks | None = None
 
 
 def exchange_counts(tokens_per_expert: Sequence[int] | torch.Tensor, *, comm: A2AComm) -> torch.Tensor:
@@ -84,12 +88,23 @@ def exchange_counts(tokens_per_expert: Sequence[int] | torch.Tensor, *, comm: A2
 
 
 def plan_dispatch(counts: Sequence[Sequence[int]] | torch.Tensor, *, comm: A2AComm, algorithm: Algorithm,
-                  chunks: int = 1, device: torch.device | None = None) -> DispatchMeta:
+                  chunks: int | AutoChunks = 1, device: torch.device | None = None) -> DispatchMeta:
     """Plan a dispatch of ``counts[s][g]`` tokens (``[W, E]``, identical on every rank) in
-    ``chunks`` chunks by ``algorithm``; index tensors go to ``device``. No communication."""
+    ``chunks`` chunks by ``algorithm``; index tensors go to ``device``. No communication, except
+    the one all-reduce with which an :class:`AutoChunks` passed as ``chunks`` makes its choice
+    (at the same call on every rank; see :mod:`piper_core.runtime.autochunks`)."""
     c = _check_counts(counts, comm.size).numpy()
-    if not isinstance(chunks, int) or chunks < 1:
-        raise SpecError("chunks", chunks, "must be an int >= 1", "use 1 for the unpipelined path")
+    tuner = None
+    if isinstance(chunks, AutoChunks):
+        if chunks.comm is not comm:
+            raise SpecError("chunks.comm", "another A2AComm", "an AutoChunks decides over the group it plans for",
+                            "build the AutoChunks with the comm passed to plan_dispatch")
+        tuner = chunks
+        chunks = tuner.next_chunks()
+        tuner = tuner if tuner.tuning else None
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise SpecError("chunks", chunks, "must be an int >= 1 or an AutoChunks",
+                        "use 1 for the unpipelined path, AutoChunks(comm) to choose by measurement")
     w, e = c.shape
     per = e // w
     me, plans = comm.me, []
@@ -109,7 +124,7 @@ def plan_dispatch(counts: Sequence[Sequence[int]] | torch.Tensor, *, comm: A2ACo
     return DispatchMeta(algorithm=algorithm, chunks=chunks, device=torch.device(device or "cpu"),
                         num_local_experts=per, rows_in=int(c[me].sum()),
                         rows_out=int(mine.sum()), tokens_per_expert=tuple(mine.sum(0).tolist()),
-                        chunk=tuple(plans), restore=_restore(plans, device))
+                        chunk=tuple(plans), restore=_restore(plans, device), tuner=tuner)
 
 
 def _check_counts(counts: Sequence[Sequence[int]] | torch.Tensor, w: int) -> torch.Tensor:

@@ -22,6 +22,10 @@ inputs and run backward with ``torch.autograd.backward`` (as reentrant activatio
 does): parameter gradients accumulate into ``.grad`` as usual; ``torch.autograd.grad`` with respect
 to expert parameters is not supported, and the expert function may depend only on its arguments
 and on leaf tensors (its parameters). ``chunks == 1`` runs exactly the unpipelined path.
+
+When ``meta`` was planned with an :class:`~piper_core.runtime.autochunks.AutoChunks` that is still
+measuring (``meta.tuner``), the call times its forward and its backward (each from entry to return,
+experts included) and reports the sum to the tuner.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 import torch
 
@@ -59,6 +63,7 @@ class ScheduleEvent:
 
 
 EventFn = Callable[[ScheduleEvent], None]
+_T = TypeVar("_T")
 
 
 def moe_alltoall(x: torch.Tensor, meta: DispatchMeta, experts: ExpertFn, *, probs: torch.Tensor | None = None,
@@ -74,7 +79,7 @@ def moe_alltoall(x: torch.Tensor, meta: DispatchMeta, experts: ExpertFn, *, prob
     check_device(x, meta.device, "plan_dispatch")
     run = _Run(meta=meta, experts=experts, on_event=on_event, x=x, probs=probs)
     if not torch.is_grad_enabled():
-        return run.forward(x, probs, build_graph=False)
+        return run.timed(run.forward, x, probs, build_graph=False)
     anchor = torch.empty(0, requires_grad=True)  # the output needs a graph even if only parameters do
     return _Pipelined.apply(run, x, probs, anchor)
 
@@ -84,14 +89,14 @@ class _Pipelined(torch.autograd.Function):
     def forward(ctx, run: _Run, x: torch.Tensor, probs: torch.Tensor | None,  # type: ignore[override]
                 anchor: torch.Tensor) -> torch.Tensor:
         ctx.run = run
-        return run.forward(x, probs, build_graph=True)
+        return run.timed(run.forward, x, probs, build_graph=True)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         if ctx.run is None:
             raise RuntimeError("moe_alltoall: backward ran twice through one call; the experts' graphs are "
                                "freed after the first (retain_graph is not supported); run the layer again")
-        gx, gp = ctx.run.backward(grad)
+        gx, gp = ctx.run.timed(ctx.run.backward, grad)
         ctx.run = None
         return None, gx, gp, None
 
@@ -105,6 +110,17 @@ class _Run:
         self.kinds = [(t.dtype, tuple(t.shape[1:])) for t in (x, probs) if t is not None]
         self.saved: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None] = []
         self.inflight: list[PendingExchange] = []
+        self.timer = None if meta.tuner is None else meta.tuner.start(meta.chunks, x.device)
+
+    def timed(self, fn: Callable[..., _T], *args: object, **kwargs: object) -> _T:
+        """``fn(*args, **kwargs)``, its duration added to the tuner's timer (if any)."""
+        if self.timer is None:
+            return fn(*args, **kwargs)
+        self.timer.begin()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.timer.end()
 
     def _event(self, direction: str, action: str, exchange: str, k: int) -> None:
         if self.on_event is not None:

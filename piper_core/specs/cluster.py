@@ -24,6 +24,20 @@ class AcceleratorSpec:
     ``max(flops / (peak * gemm_efficiency), bytes / (hbm * hbm_efficiency)) + kernel_latency_us``,
     so skinny expert GEMMs fall to the memory-bound side. Presets carry planning defaults;
     ``piper calibrate`` fits them on the real machine.
+
+    Element-wise kernels (norms, activations, softmax, permutation) stream at
+    ``elementwise_gb_per_s`` (bytes read + written per second) when it is set -- ``piper calibrate``
+    measures it where such kernels run well below the copy rate (bf16 on CPU: 3-9 GB/s against a
+    37 GB/s copy) -- and at ``hbm_gb_per_s x hbm_efficiency`` otherwise (the GPU presets).
+
+    Host overheads (microseconds of framework time no kernel term covers: Python dispatch, module
+    hooks, the token dispatcher's bookkeeping; 0 in the GPU presets, where the host runs ahead of the
+    device, and fitted by ``piper calibrate`` where it does not, as on CPU ranks): per transformer
+    layer forward (``layer_overhead_us``), extra per MoE layer forward (``moe_overhead_us``), per
+    local expert forward call (``expert_overhead_us``, once per chunk when pipelined), backward =
+    ``backward_overhead_factor`` x forward; per micro-batch (``microbatch_overhead_us``: embedding,
+    output layer and loss, the schedule's bookkeeping; shared by the pipeline stages, 1/pp each) and
+    per step (``step_overhead_us``: gradient-buffer and optimizer bookkeeping).
     """
 
     name: str
@@ -35,10 +49,21 @@ class AcceleratorSpec:
     gemm_efficiency: float = 0.7
     hbm_efficiency: float = 0.8
     kernel_latency_us: float = 4.0
+    elementwise_gb_per_s: float | None = None
+    layer_overhead_us: float = 0.0
+    moe_overhead_us: float = 0.0
+    expert_overhead_us: float = 0.0
+    backward_overhead_factor: float = 2.0
+    microbatch_overhead_us: float = 0.0
+    step_overhead_us: float = 0.0
 
     def __post_init__(self) -> None:
+        for key in ("layer_overhead_us", "moe_overhead_us", "expert_overhead_us", "backward_overhead_factor",
+                    "microbatch_overhead_us", "step_overhead_us"):
+            non_negative(f"accelerator.{key}", getattr(self, key))
         for key in ("peak_tflops_bf16", "peak_tflops_fp16", "peak_tflops_fp32", "hbm_gib", "hbm_gb_per_s"):
             positive(f"accelerator.{key}", getattr(self, key))
+        positive("accelerator.elementwise_gb_per_s", self.elementwise_gb_per_s, allow_none=True)
         fraction("accelerator.gemm_efficiency", self.gemm_efficiency)
         fraction("accelerator.hbm_efficiency", self.hbm_efficiency)
         non_negative("accelerator.kernel_latency_us", self.kernel_latency_us)

@@ -31,8 +31,12 @@ def gemm_time(acc: AcceleratorSpec, precision: str, m: float, n: float, k: float
     return max(compute, memory) + acc.kernel_latency_us * 1e-6
 
 
-def stream_time(acc: AcceleratorSpec, nbytes: float) -> float:
-    """Seconds to move ``nbytes`` through HBM (read + write counted by the caller)."""
+def stream_time(acc: AcceleratorSpec, nbytes: float, *, elementwise: bool = True) -> float:
+    """Seconds for work that streams ``nbytes`` (read + write counted by the caller): a layer's
+    element-wise kernels at the calibrated element-wise rate when the spec has one; everything else
+    (``elementwise=False``: the optimizer's fp32 sweep, copies) at HBM x efficiency."""
+    if elementwise and acc.elementwise_gb_per_s is not None:
+        return nbytes / (acc.elementwise_gb_per_s * 1e9)
     return nbytes / (acc.hbm_gb_per_s * 1e9 * acc.hbm_efficiency)
 
 
@@ -130,3 +134,11 @@ def dense_mlp_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec)
     t = shape.tokens_for(model)
     norm = stream_time(acc, BYTES * t * 5 * model.hidden_size)
     return norm + mlp_forward(model, shape, acc, t, model.ffn_hidden_size, shape.tp)
+
+
+def host_overhead_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec, *, moe: bool, chunks: int = 1) -> float:
+    """Seconds of host framework time of one layer's forward (see :class:`AcceleratorSpec`)."""
+    t = acc.layer_overhead_us
+    if moe:
+        t += acc.moe_overhead_us + acc.expert_overhead_us * (model.num_experts // shape.ep) * chunks
+    return t * 1e-6

@@ -17,7 +17,8 @@ from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.timing import comm
-from piper_core.timing.compute import BYTES, LayerShape, attention_forward, dense_mlp_forward, expert_tokens, moe_forward
+from piper_core.timing.compute import (BYTES, LayerShape, attention_forward, dense_mlp_forward, expert_tokens,
+                                       host_overhead_forward, moe_forward)
 from piper_core.timing.topology import Group
 
 
@@ -105,8 +106,10 @@ def layer_cost(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, moe: b
     if not moe:
         mlp = dense_mlp_forward(model, shape, acc)
         tp_f, tp_b = _tp_comm(model, shape, cluster, blocks=2)
-        fwd = attn_rest + core + mlp
-        return _finish(shape, fwd=fwd, core=core, comm_f=tp_f + cp_f, comm_b=tp_b + cp_b)
+        host = host_overhead_forward(model, shape, acc, moe=False)
+        fwd = attn_rest + core + mlp + host
+        return _finish(shape, fwd=fwd, core=core, comm_f=tp_f + cp_f, comm_b=tp_b + cp_b,
+                       bwd_compute=2 * (fwd - host) + acc.backward_overhead_factor * host)
     rest, experts = moe_forward(model, shape, acc)
     chunks = shape.chunks if shape.a2a == "pipelined" else 1
     blocks = 1 + (1 if model.moe_shared_expert_intermediate_size else 0)
@@ -120,9 +123,14 @@ def layer_cost(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, moe: b
         exp_f, exp_b = chunks * exp_chunk, 2 * chunks * exp_chunk
         a2a_f = _pipelined(way, way, exp_chunk, chunks) - exp_f
         a2a_b = _pipelined(way, way, 2 * exp_chunk, chunks) - exp_b
-    fwd = attn_rest + core + rest + exp_f
-    cost = _finish(shape, fwd=fwd, core=core, comm_f=tp_f + cp_f, comm_b=tp_b + cp_b,
-                   a2a_f=a2a_f, a2a_b=a2a_b, bwd_compute=2 * (attn_rest + core + rest) + exp_b)
+    # the token counts go round the ep group before the dispatch (Megatron's preprocess, Piper's
+    # exchange_counts): one small all-gather, latency-bound, forward only
+    group = Group(name="ep", size=shape.ep, stride=shape.etp)
+    a2a_f += comm.ring(group, shape.ep * model.num_experts * 8, cluster)
+    host = host_overhead_forward(model, shape, acc, moe=True, chunks=chunks)
+    fwd = attn_rest + core + rest + exp_f + host
+    cost = _finish(shape, fwd=fwd, core=core, comm_f=tp_f + cp_f, comm_b=tp_b + cp_b, a2a_f=a2a_f, a2a_b=a2a_b,
+                   bwd_compute=2 * (attn_rest + core + rest) + exp_b + acc.backward_overhead_factor * host)
     return dataclasses.replace(cost, a2a_raw=one_way)
 
 

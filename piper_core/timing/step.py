@@ -105,6 +105,9 @@ def _stage_times(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
             raw = max(raw, cost.a2a_raw)
         if rank == plan.pp - 1:
             compute += _logits(model, plan, cluster)
+        # per micro-batch host work (embedding, output layer and loss, the schedule's bookkeeping),
+        # fitted at pp = 1; the embedding and the loss sit on the end stages, so the stages share it
+        compute += cluster.accelerator.microbatch_overhead_us * 1e-6 / plan.pp
         out.append(StageTime(stage=rank, compute=compute, a2a=a2a, comm=other, p2p=p2p))
     return tuple(out), raw
 
@@ -148,12 +151,12 @@ def _optimizer(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> fl
     worst, acc, f = 0.0, cluster.accelerator, plan.optimizer_offload_fraction
     for p in stage_params(model, plan):
         n = p.dense / (plan.dp * plan.cp) + p.expert / plan.edp if plan.distributed_optimizer else p.total
-        t = stream_time(acc, (1 - f) * n * OPTIMIZER_BYTES)
+        t = stream_time(acc, (1 - f) * n * OPTIMIZER_BYTES, elementwise=False)
         if f > 0:
             t += f * n * (4 + BYTES) / (cluster.host_link_gb_per_s * 1e9)
             t += f * n * 28 * cluster.gpus_per_node / (cluster.host_memory_gb_per_s * 1e9)
         worst = max(worst, t)
-    return worst
+    return worst + acc.step_overhead_us * 1e-6
 
 
 def step_time(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, *, exact: bool = True) -> StepTime:

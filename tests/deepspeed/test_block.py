@@ -59,7 +59,7 @@ CONFIG = {"train_batch_size": 8, "zero_optimization": {"stage": 0}}
     (OK | {"plan_only": 1}, r"piper\.plan_only=1: must be true or false"),
     (OK | {"trace": 3}, r"piper\.trace=3: must be a directory path or null"),
     (OK | {"model": 7}, r"piper\.model=7: must be a model preset name, a ModelSpec YAML path or a ModelSpec mapping"),
-    (OK | {"profile": "cal.json"}, r"piper\.profile='cal\.json': calibration profiles are not read yet"),
+    (OK | {"profile": "cal.yaml"}, r"piper\.profile='cal\.yaml': and piper\.cluster \('cpu-local'\) are exclusive"),
     (OK | {"predicted": {"mfu": "high"}}, r"piper\.predicted=.*must be a mapping of numbers"),
     ({"model": "tiny-moe"}, r"piper\.cluster=None: is required.*set it to a preset \(cpu-local, "),
     (OK | {"cluster": 8}, r"piper\.cluster=8: must be a cluster preset name or a ClusterSpec YAML path"),
@@ -182,6 +182,17 @@ def test_exported_block_loads_and_pins_its_plan() -> None:
     got = choice.plan
     assert (got.ep, got.pp, got.micro_batch_size, got.global_batch_size, got.a2a, got.a2a_chunks,
             got.distributed_optimizer) == (4, 1, 2, 16, "pipelined", 4, True)
+
+
+def test_profile_plans_on_the_calibrated_cluster(tmp_path) -> None:
+    from piper_core.calibrate.profile import write_profile
+
+    path = tmp_path / "me.yaml"
+    write_profile(path, dataclasses.replace(load_cluster("cpu-local"), name="calibrated-here"),
+                  {"machine": {}, "date": "2025-01-01", "ranks": 2, "nodes": 1, "command": "piper calibrate",
+                   "benchmarks": {}, "fits": {}})
+    choice = plan_for(CONFIG | {"piper": {"profile": str(path), "model": "tiny-moe"}}, 2)
+    assert choice.prediction.cluster.name == "calibrated-here"
 
 
 def test_rewrite_is_a_copy_and_keeps_the_batch_consistent() -> None:

@@ -37,7 +37,17 @@ def test_quick_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     shaped = result["moe"]["shaped"]
     assert len(shaped["cases"]) == len(cfg["moe_ratios"])
     for case in shaped["cases"] + result["moe"]["unshaped"]["cases"]:
-        assert set(case["summary"]["speedup"]) == {f"{a} x{c}" for a in cfg["moe_algorithms"] for c in cfg["moe_chunks"]}
+        assert set(case["summary"]["speedup"]) == {f"{a} x{c}" for a in cfg["moe_algorithms"]
+                                                   for c in cfg["moe_chunks"]} | {"auto"}
         assert case["summary"]["ratio"] > 0
+        assert case["auto"]["chosen"] in cfg["auto_candidates"]
+        assert sorted(case["auto"]["medians_ms"]) == sorted(str(c) for c in cfg["auto_candidates"])
+    assert [r["inter_node_mbit"] for r in result["moe"]["interference"]] == cfg["interference_mbits"]
+    for row in result["moe"]["interference"]:
+        for rank in row["ranks"]:
+            assert rank["threads"] >= 1
+            assert all(rank[k]["wall"] > 0 for k in ("gemm alone", "exchange alone", "gemm during exchange"))
+    acc = result["moe"]["acceptance"]
+    assert acc["small_comm_auto_cost_pct"] is not None and acc["auto_speedup"] is not None
     for name in ("alltoall_sizes.png", "moe_pipelined.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

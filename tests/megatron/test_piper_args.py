@@ -207,14 +207,20 @@ def test_planning_needs_what_it_cannot_guess(tmp_path):
         planned(BASE + ["--piper"])
 
 
-def test_profile_is_loaded_as_a_cluster_spec_for_now(tmp_path):
-    from piper_core.presets import _HERE
+def test_profile_is_loaded_as_the_calibrated_cluster(tmp_path):
+    from piper_core.calibrate.profile import write_profile
+    from piper_core.presets import _HERE, load_cluster
 
     profile = tmp_path / "h100-profile.yaml"
-    profile.write_text((_HERE / "clusters" / "dgx-h100.yaml").read_text())
+    write_profile(profile, load_cluster("dgx-h100"), {"machine": {}, "date": "2025-01-01", "ranks": 8, "nodes": 1,
+                                                       "command": "piper calibrate", "benchmarks": {}, "fits": {}})
     job = planned(BASE + ["--piper", "--piper-profile", str(profile)])
     assert job.top.plan == planned(BASE + PIPER).top.plan
-    assert any("calibrated profiles are not implemented yet" in note for note in job.notes)
+    assert any("calibrated cluster dgx-h100" in note for note in job.notes)
+    bare = tmp_path / "bare.yaml"
+    bare.write_text((_HERE / "clusters" / "dgx-h100.yaml").read_text())
+    with pytest.raises(SpecError, match="is a ClusterSpec YAML, not a calibration profile"):
+        planned(BASE + ["--piper", "--piper-profile", str(bare)])
     with pytest.raises(SpecError, match="--piper-profile=.*must be a YAML file"):
         parse_piper_options(["--piper", "--piper-profile", "profile.json"])
 

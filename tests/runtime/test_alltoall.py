@@ -117,6 +117,8 @@ def _exchange_cases(rank: int, world: int, seed: int) -> tuple[int, list[str]]:
             checks += 1
     if world == 4:
         checks, failures = checks + 1, failures + _check_parents(rank)
+    if world == 2:
+        checks, failures = checks + 1, failures + _check_posted_at_start(rank)
     return checks, failures
 
 
@@ -151,6 +153,33 @@ def test_exchanges_equal_all_to_all_single(world: int) -> None:
     for rank, (checks, failures) in enumerate(results):
         assert checks >= len(topologies(world)) * len(count_cases(world, 7)) * 5, f"rank {rank} ran {checks} checks"
         assert not failures, f"rank {rank}: {failures}"
+
+
+# --- an exchange moves data as soon as it starts (checked in the world-2 spawn above) ---------
+
+def _check_posted_at_start(rank: int) -> list[str]:
+    """Two nodes of one rank. Rank 0 starts each exchange and then does nothing with it until rank 1
+    has received everything (rank 1 waits first, then tells rank 0 by a message on the default
+    group): that can only finish if ``start_exchange`` itself posted the exchange's first stage that
+    communicates (for hierarchical and aggregated, after their group-of-one stages). Otherwise rank
+    1's wait runs into the comm's 5 s timeout and the test fails with a CollectiveError."""
+    comm = create_comm(NodeTopology.uniform(world_size=2, ranks_per_node=1), timeout=timedelta(seconds=5))
+    counts = torch.tensor([[3, 5], [4, 2]])
+    x = torch.tensor([[100.0 * rank + d] for d in range(2) for _ in range(int(counts[rank, d]))])
+    want = torch.tensor([[100.0 * s + rank] for s in range(2) for _ in range(int(counts[s, rank]))])
+    out = []
+    for alg in Algorithm:
+        pending = start_exchange(x, plan_exchange(counts, comm=comm, algorithm=alg))
+        flag = torch.zeros(1)
+        if rank == 1:
+            got = pending.wait()
+            dist.send(flag + 1, 0)
+        else:
+            dist.recv(flag, 1)
+            got = pending.wait()
+        if not torch.equal(got, want):
+            out.append(f"posted at start, {alg.value}: rank {rank} got {got.flatten().tolist()}")
+    return out
 
 
 # --- a missing peer -----------------------------------------------------------------------------
@@ -232,4 +261,5 @@ def test_counts_errors_name_the_rule() -> None:
         counts_matrix([[1, 2, 3], [4, 5, 6]], 2)
     with pytest.raises(SpecError, match=r"row counts must be >= 0"):
         counts_matrix([[1, -2], [0, 0]], 2)
+
 

@@ -187,6 +187,7 @@ def test_deepspeed_config_savers():
     (dict(num_layers_in_last_pipeline_stage=5, num_layers_in_first_pipeline_stage=9), r"uneven pipeline split"),
     (dict(optimizer_offload_fraction=0.5), r"optimizer_offload_fraction=0.5: DeepSpeed offloads part of the optimizer "
                                            r"only under ZeRO-3"),
+    (dict(recompute="selective"), r"recompute=selective: a DeepSpeed config cannot make the model recompute"),
 ])
 def test_deepspeed_refuses_what_it_cannot_express(changes, reason):
     plan = ParallelPlan(**{"gpus": 64, "pp": 4, "ep": 8, "global_batch_size": 512} | changes)
@@ -304,3 +305,14 @@ def test_plan_cli_writes_exports_and_plots(tmp_path, capsys):
     assert main(argv) == 0
     assert "PIPER_MEGATRON_ARGS=(" in (tmp_path / "m.sh").read_text()
     assert sorted(p.name for p in out.iterdir()) == ["memory.png", "pareto.png", "timeline.png"]
+
+
+def test_megatron_export_of_an_etp_plan_says_piper_cannot_pin_it():
+    """Piper's token dispatcher runs etp 1 (the launcher refuses a pinned etp > 1): the file says so
+    instead of suggesting `--piper` with these sizes."""
+    etp = megatron_args(predict(MIXTRAL, H100, ParallelPlan(gpus=64, tp=2, sequence_parallel=True, ep=8, etp=2,
+                                                            global_batch_size=512)))
+    assert "expert tensor parallelism (etp=2): run it with stock Megatron-LM" in etp
+    assert "--piper --piper-cluster" not in etp
+    plain = megatron_args(predict(MIXTRAL, H100, ParallelPlan(gpus=64, ep=8, global_batch_size=512)))
+    assert "--piper --piper-cluster" in plain and "stock Megatron-LM" not in plain

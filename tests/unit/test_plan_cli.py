@@ -36,6 +36,19 @@ def test_no_fit_exits_1_with_lower_bound(capsys):
     assert "needs at least" in text
 
 
+def test_lower_bound_counts_the_hosts_that_hold_the_offloaded_optimizer():
+    """64 GCDs could hold 1.03 T bf16 weights and gradients (69 GCDs), but the offloaded fp32
+    optimizer (16 bytes per parameter) needs 32 Frontier nodes of host memory: 256 GCDs, which is
+    also the smallest Frontier job the search finds a plan for."""
+    from piper_core.cli.plan import min_gpus
+    from piper_core.presets import load_cluster, load_model
+
+    need, what = min_gpus(load_model("switch-1t"), load_cluster("frontier"))
+    assert need == 256 and "offloaded optimizer state" in what
+    assert main(["plan", "switch-1t", "--cluster", "frontier", "--gpus", "248", "--json"]) == 1
+    assert main(["plan", "switch-1t", "--cluster", "frontier", "--gpus", "256", "--json"]) == 0
+
+
 def test_memory_headroom_tightens(capsys):
     args = ["plan", "mixtral-8x7b", "--cluster", "dgx-h100", "--gpus", "32", "--gbs", "128", "--json"]
     assert main(args) == 0

@@ -1,0 +1,84 @@
+"""Keep the command outputs quoted in the docs equal to what the commands print today.
+
+    python docs/refresh.py            # rerun every marked command, rewrite the files in place
+    python docs/refresh.py --check    # exit 1 and show the first difference when a quote is stale
+
+A quoted output is marked in the Markdown like this, and only the fenced block after the marker is
+replaced (text around it is prose and is left alone)::
+
+    <!-- run: piper predict switch-1t --cluster dgx-h100 --gpus 1024 --parallel "ep=512" -->
+    ```text
+    ...what the command printed...
+    ```
+
+Commands run from the repository root with ``.venv/bin`` first on PATH. Search times and rates
+(``searched N plans in X s (Y plans/s)``) vary from run to run and are masked when checking; every
+other figure must match. Outputs that take minutes to produce (training, calibration, validation)
+are quoted with ``<!-- measured: COMMAND -->`` instead: recorded once, with the command, not rerun.
+``tests/unit/test_docs_current.py`` checks every file of :data:`FILES`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = ("README.md", "docs/megatron.md")
+MARK = re.compile(r"(<!-- run: (?P<cmd>.+?) -->\n```text\n)(?P<out>.*?)(```)", re.S)
+VARIES = (re.compile(r"searched ([\d,]+) plans in [\d.]+ s \([\d,]+ plans/s\)"),)
+
+
+def run(cmd: str) -> str:
+    env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONWARNINGS": "ignore", "COLUMNS": "200"}
+    proc = subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return proc.stdout.rstrip() + "\n"
+
+
+def mask(text: str) -> str:
+    for pattern in VARIES:
+        text = pattern.sub(lambda m: f"searched {m[1]} plans in <t> s (<rate> plans/s)", text)
+    return text
+
+
+def refresh(text: str) -> str:
+    return MARK.sub(lambda m: m[1] + run(m["cmd"]) + m[4], text)
+
+
+def stale(text: str) -> list[tuple[str, str, str]]:
+    """(command, quoted, printed now) for every quote that differs beyond the masked figures."""
+    out = []
+    for m in MARK.finditer(text):
+        now = run(m["cmd"])
+        if mask(now) != mask(m["out"]):
+            out.append((m["cmd"], m["out"], now))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    bad = 0
+    for name in FILES:
+        path = ROOT / name
+        text = path.read_text()
+        if check:
+            for cmd, quoted, now in stale(text):
+                bad += 1
+                print(f"{name}: stale output of `{cmd}`", file=sys.stderr)
+                for a, b in zip(mask(quoted).splitlines(), mask(now).splitlines()):
+                    if a != b:
+                        print(f"  quoted: {a}\n  now:    {b}", file=sys.stderr)
+                        break
+        else:
+            path.write_text(refresh(text))
+    if bad:
+        print("run `python docs/refresh.py` to update", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,41 @@
+"""Calibrate one named topology, for tools that keep a profile per topology (``piper validate``).
+
+Names: ``local-<ranks>`` (local gloo ranks on this host) and ``emu-<nodes>x<ranks>-<rate>mbit``
+(the emulated cluster, links shaped to ``rate``; needs root).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from piper_core.calibrate.run import Calibration, CalibrateOptions, calibrate
+from piper_core.calibrate.steps import FULL_TIMEOUT_S, QUICK_TIMEOUT_S, Topology
+from piper_core.errors import SpecError
+
+
+def parse_topology(name: str) -> Topology:
+    """``local-2`` -> 1 node x 2 ranks; ``emu-2x1-200mbit`` -> 2 emulated nodes x 1 rank at 200 Mbit/s."""
+    local = re.fullmatch(r"local-(\d+)", name)
+    if local and int(local[1]) >= 1:
+        return Topology(nodes=1, ranks_per_node=int(local[1]))
+    emu = re.fullmatch(r"emu-(\d+)x(\d+)-(\d+(?:\.\d+)?)mbit", name)
+    if emu and int(emu[1]) >= 2 and int(emu[2]) >= 1:
+        return Topology(nodes=int(emu[1]), ranks_per_node=int(emu[2]), inter_node_mbit=float(emu[3]), emulated=True)
+    raise SpecError("topology", name, "is not a calibration topology",
+                    "write local-<ranks> (e.g. local-2) or emu-<nodes>x<ranks>-<rate>mbit (e.g. emu-2x1-200mbit)")
+
+
+def calibrate_topology(name: str, out: Path, *, quick: bool, base: str = "cpu-local",
+                       timeout_per_bench_s: float | None = None, realtime: bool = False) -> Calibration:
+    """Run ``piper calibrate`` for topology ``name`` and write the profile to ``out`` (cache next to it)."""
+    topology = dataclasses.replace(parse_topology(name), realtime=realtime)
+    emulate = (f"--emulate {topology.nodes}x{topology.ranks_per_node} --inter-node-mbit {topology.inter_node_mbit:g}"
+               if topology.emulated else f"--ranks {topology.ranks_per_node}")
+    timeout = timeout_per_bench_s or (QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S)
+    command = (f"piper calibrate --out {out} {emulate} --base {base}" + (" --quick" if quick else "")
+               + (" --realtime" if realtime else ""))
+    options = CalibrateOptions(out=Path(out), topology=topology, base=base, quick=quick,
+                               timeout_per_bench_s=timeout, command=command)
+    return calibrate(options)

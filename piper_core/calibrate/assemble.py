@@ -1,0 +1,248 @@
+"""From the ranks' raw results to a calibrated :class:`ClusterSpec` and its fit report (pure).
+
+Raw results are reduced to medians here: a collective's repetition takes as long as its slowest
+rank, so each repetition's time is the maximum over ranks and the curve point is the median over
+repetitions; GEMM and copy points are the median over ranks of each rank's median. The fits
+(:mod:`piper_core.calibrate.fit`) then set:
+
+* ``accelerator``: ``peak_tflops_bf16`` = the larger of the best measured bf16 rate and the fitted
+  compute rate ``R_c``; ``gemm_efficiency`` = ``R_c / peak``; fp32 and fp16 peaks = their fitted
+  compute rates / that efficiency; ``kernel_latency_us`` = the fitted latency;
+  ``hbm_gb_per_s`` = the measured copy bandwidth (read + write), ``hbm_efficiency`` = the GEMM fit's
+  memory rate / it (both raised to the memory rate, efficiency 1, if the GEMMs stream faster than
+  the copy, as cache-resident weights do);
+* ``links``: one level (the node) for local ranks, two for an emulated cluster; each level's
+  latency and bandwidth from the flat all-to-all curves that cross it (:func:`fit_links`);
+* everything else (HBM size, memory envelope, host terms) from the base preset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from piper_core.calibrate.fit import GemmFit, GemmPoint, LinkSample, fit_alpha_beta, fit_compute_rate, \
+    fit_roofline, quality
+from piper_core.calibrate.steps import Outcome, Topology
+from piper_core.emulate.spec import TCP_PAYLOAD_EFFICIENCY
+from piper_core.specs.cluster import AcceleratorSpec, ClusterSpec, LinkLevel
+from piper_core.timing import comm
+from piper_core.timing.compute import gemm_time
+from piper_core.timing.topology import Group, level_shares
+
+DOMINATES = 0.7
+"""A point of a curve that crosses several levels informs an outer level's fit only where the
+inner levels, as already fitted, explain less than this share of its time."""
+
+
+def _sig(x: float, digits: int = 5) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+# ---- raw results -> medians ------------------------------------------------------------------------
+
+def reduce_outcomes(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """Name -> the medians of each successful step (the profile's ``benchmarks``)."""
+    out: dict[str, Any] = {}
+    for o in outcomes:
+        if o.status != "ok":
+            continue
+        kind = o.name.split("-")[0]
+        if o.name == "gemm":
+            out["gemm"] = _gemm_medians(o.results)
+        elif o.name == "memory":
+            seconds = statistics.median(r["seconds"] for r in o.results)
+            out["memory"] = {"bytes": o.results[0]["bytes"], "seconds": seconds,
+                             "gb_per_s": _sig(o.results[0]["bytes"] / seconds / 1e9)}
+            ops = [op for r in o.results for op in r.get("elementwise", [])]
+            if ops:  # per op: the median rate over ranks
+                names = sorted({op["op"] for op in ops})
+                out["memory"]["elementwise_gb_per_s"] = {
+                    name: _sig(statistics.median(op["bytes"] / op["seconds"] / 1e9 for op in ops if op["op"] == name))
+                    for name in names}
+        elif kind in ("alltoall", "allreduce", "allgather", "reducescatter", "p2p"):
+            out[o.name] = _curve_medians(o.results, half=kind == "p2p")
+        else:
+            out[o.name] = {"ranks": list(o.results)}  # e.g. the host-overhead probe: kept as returned
+    return out
+
+
+def _gemm_medians(results: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, float]]]:
+    out = {}
+    for dtype, rows in results[0]["gemm"].items():
+        points = []
+        for i, (m, n, k, _) in enumerate(rows):
+            seconds = statistics.median(r["gemm"][dtype][i][3] for r in results)
+            points.append({"m": m, "n": n, "k": k, "seconds": seconds})
+        out[dtype] = points
+    return out
+
+
+def _curve_medians(results: Sequence[dict[str, Any]], *, half: bool) -> dict[str, Any]:
+    """Per size: the slowest taking part rank per repetition, then the median (halved for a ping-pong)."""
+    ranks = [r for r in results if r.get("paired", True)]
+    points = []
+    for i in range(min(len(r["points"]) for r in ranks)):
+        reps = min(len(r["points"][i]["times"]) for r in ranks)
+        slowest = [max(r["points"][i]["times"][j] for r in ranks) for j in range(reps)]
+        points.append({"bytes": ranks[0]["points"][i]["bytes"],
+                       "seconds": statistics.median(slowest) / (2 if half else 1)})
+    return {"group_size": ranks[0]["group_size"], "stride": ranks[0]["stride"], "points": points}
+
+
+# ---- links -----------------------------------------------------------------------------------------
+
+def shape_cluster(topology: Topology, base: ClusterSpec,
+                  links: Sequence[tuple[float, float]] | None = None) -> ClusterSpec:
+    """The calibrated cluster's layout (one level per node and one across nodes), with
+    ``links`` = [(latency_us, bandwidth_gb_per_s)] per level (placeholders when None)."""
+    names = ["intra-node"] if topology.nodes == 1 else ["intra-node", "inter-node"]
+    domains: list[int | None] = [None] if topology.nodes == 1 else [topology.ranks_per_node, None]
+    values = links or [(1.0, 1.0)] * len(names)
+    levels = tuple(LinkLevel(name=n, domain_gpus=d, latency_us=lat, bandwidth_gb_per_s=bw)
+                   for n, d, (lat, bw) in zip(names, domains, values))
+    return dataclasses.replace(base, gpus_per_node=topology.ranks_per_node, links=levels)
+
+
+FITTED_CURVES = ("alltoall-all", "alltoall-intra", "alltoall-inter")
+"""The flat all-to-all curves the links are fitted to (the hierarchical one is a check)."""
+
+
+def _a2a_curves(benchmarks: dict[str, Any]) -> list[tuple[str, Group, list[dict[str, float]]]]:
+    return [(name, Group(name=name, size=b["group_size"], stride=b["stride"]), b["points"])
+            for name, b in benchmarks.items() if name in FITTED_CURVES]
+
+
+def _fallback_link(level: int, topology: Topology, base: ClusterSpec) -> tuple[tuple[float, float], str]:
+    if level == 1 and topology.inter_node_mbit is not None:  # the shaped rate, as emulate.spec prices it
+        bw = topology.inter_node_mbit * 1e6 / 8 * TCP_PAYLOAD_EFFICIENCY / topology.ranks_per_node / 1e9
+        return (base.links[-1].latency_us, bw), "base latency; bandwidth from the tbf rate (not measured)"
+    link = base.links[min(level, len(base.links) - 1)]
+    return (link.latency_us, link.bandwidth_gb_per_s), f"base preset {base.name} (not measured)"
+
+
+def fit_links(benchmarks: dict[str, Any], topology: Topology, base: ClusterSpec) -> tuple[ClusterSpec, dict[str, Any]]:
+    """Fit each level, innermost first, from the all-to-all curves whose outermost level it is;
+    returns the cluster with the fitted links and, per level and per curve, the fit report."""
+    curves = _a2a_curves(benchmarks)
+    shape = shape_cluster(topology, base)
+    fitted: list[tuple[float, float]] = []
+    report: dict[str, Any] = {"levels": {}, "curves": {}}
+    for li, level in enumerate(shape.links):
+        samples = []
+        for _, group, points in curves:
+            shares = level_shares(group, shape)
+            if not shares or shares[-1].link.name != level.name:
+                continue
+            inner = shape_cluster(topology, base, fitted + [(0.0, 1e30)] * (len(shape.links) - li))
+            last = shares[-1]
+            for p in points:
+                if comm.all_to_all_flat(group, p["bytes"], inner) > DOMINATES * p["seconds"]:
+                    continue  # an inner level explains this point: no evidence about this one
+                samples.append(LinkSample(peers=last.peers, nbytes=last.peers * p["bytes"] / group.size,
+                                          seconds=p["seconds"]))
+        if len(samples) >= 2:
+            fit = fit_alpha_beta(samples)
+            fitted.append((_sig(fit.latency_us), _sig(fit.bandwidth_gb_per_s)))
+            report["levels"][level.name] = {"latency_us": fitted[-1][0], "bandwidth_gb_per_s": fitted[-1][1],
+                                            "source": "fitted to the flat all-to-all", **fit.fit.as_dict()}
+        else:
+            value, why = _fallback_link(li, topology, base)
+            fitted.append(value)
+            report["levels"][level.name] = {"latency_us": value[0], "bandwidth_gb_per_s": value[1], "source": why}
+    cluster = shape_cluster(topology, base, fitted)
+    for name, group, points in curves:
+        report["curves"][name] = _curve_report(points, lambda b, g=group: comm.all_to_all_flat(g, b, cluster))
+    return cluster, report
+
+
+def _curve_report(points: Sequence[dict[str, float]], model: Callable[[float], float]) -> dict[str, Any]:
+    measured = [p["seconds"] for p in points]
+    predicted = [model(p["bytes"]) for p in points]
+    return {**quality(measured, predicted).as_dict(),
+            "curve": [{"bytes": p["bytes"], "measured_us": _sig(m * 1e6), "predicted_us": _sig(q * 1e6)}
+                       for p, m, q in zip(points, measured, predicted)]}
+
+
+def check_collectives(benchmarks: dict[str, Any], cluster: ClusterSpec) -> dict[str, Any]:
+    """How well the fitted links price what was measured but not fitted: the hierarchical all-to-all,
+    all-reduce, all-gather, reduce-scatter, point-to-point."""
+    out = {}
+    for name, b in benchmarks.items():
+        if not (isinstance(b, dict) and "stride" in b):
+            continue
+        group = Group(name=name, size=b["group_size"], stride=b["stride"])
+        if name == "allreduce":
+            out[name] = _curve_report(b["points"], lambda n, g=group: comm.ring(g, n, cluster, passes=2))
+        elif name in ("allgather", "reducescatter"):
+            out[name] = _curve_report(b["points"], lambda n, g=group: comm.ring(g, n, cluster))
+        elif name == "alltoall-hier":
+            out[name] = _curve_report(b["points"], lambda n, g=group: comm.all_to_all_hierarchical(g, n, cluster))
+        elif name.startswith("p2p-"):
+            out[name] = _curve_report(b["points"], lambda n, g=group: comm.p2p(g, n, cluster))
+    return out
+
+
+# ---- accelerator -------------------------------------------------------------------------------
+
+def _points(rows: Sequence[dict[str, float]]) -> list[GemmPoint]:
+    return [GemmPoint(m=r["m"], n=r["n"], k=r["k"], seconds=r["seconds"]) for r in rows]
+
+
+def fit_accelerator(benchmarks: dict[str, Any], base: AcceleratorSpec) -> tuple[AcceleratorSpec, dict[str, Any]]:
+    """The accelerator's roofline terms from the GEMM and copy benchmarks (see the module doc)."""
+    fields: dict[str, float] = {}
+    report: dict[str, Any] = {}
+    copy = benchmarks.get("memory")
+    hbm = copy["gb_per_s"] if copy else base.hbm_gb_per_s
+    gemm = benchmarks.get("gemm")
+    if gemm is None or len(gemm.get("bf16", [])) < 3:
+        report["gemm"] = {"source": f"base accelerator {base.name} (GEMMs not measured)"}
+        if copy:
+            fields["hbm_gb_per_s"] = hbm
+        return dataclasses.replace(base, **fields), report
+    g = fit_roofline(_points(gemm["bf16"]))
+    peak = max(g.best_rate, g.compute_flops_per_s)
+    eff = min(1.0, g.compute_flops_per_s / peak)
+    fields.update(peak_tflops_bf16=_sig(peak / 1e12), gemm_efficiency=_sig(eff, 4),
+                  kernel_latency_us=_sig(g.latency_s * 1e6))
+    for dtype, key in (("fp32", "peak_tflops_fp32"), ("fp16", "peak_tflops_fp16")):
+        rate = fit_compute_rate(_points(gemm.get(dtype, [])), g)
+        if rate is not None:
+            fields[key] = _sig(rate / fields["gemm_efficiency"] / 1e12)
+    mem_gb = g.memory_bytes_per_s / 1e9
+    if mem_gb <= 0:
+        fields.update(hbm_gb_per_s=hbm, hbm_efficiency=1.0)
+    elif mem_gb > hbm:
+        fields.update(hbm_gb_per_s=_sig(mem_gb), hbm_efficiency=1.0)
+    else:
+        fields.update(hbm_gb_per_s=hbm, hbm_efficiency=min(1.0, _sig(mem_gb / hbm, 4)))
+    elementwise = (copy or {}).get("elementwise_gb_per_s")
+    if elementwise:
+        # the harmonic mean: the rate at which an equal number of bytes through each op streams
+        fields["elementwise_gb_per_s"] = _sig(len(elementwise) / sum(1 / v for v in elementwise.values()))
+        report["elementwise"] = {"gb_per_s": dict(elementwise), "fitted": fields["elementwise_gb_per_s"]}
+    acc = dataclasses.replace(base, **fields)
+    report["gemm"] = _gemm_report(g, acc, gemm)
+    return acc, report
+
+
+def _gemm_report(g: GemmFit, acc: AcceleratorSpec, gemm: dict[str, Any]) -> dict[str, Any]:
+    """Fit quality of the model with the fitted accelerator, per dtype, and the bf16 efficiency curve."""
+    out: dict[str, Any] = {"compute_tflops": _sig(g.compute_flops_per_s / 1e12),
+                           "memory_gb_per_s": _sig(g.memory_bytes_per_s / 1e9),
+                           "latency_us": _sig(g.latency_s * 1e6), "best_tflops": _sig(g.best_rate / 1e12)}
+    peak = acc.peak_flops("bf16")
+    for dtype, rows in gemm.items():
+        measured = [r["seconds"] for r in rows]
+        predicted = [gemm_time(acc, dtype, r["m"], r["n"], r["k"]) for r in rows]
+        entry: dict[str, Any] = quality(measured, predicted).as_dict()
+        if dtype == "bf16":  # the efficiency curve: achieved / peak, by GEMM size
+            entry["curve"] = [{"m": r["m"], "n": r["n"], "k": r["k"], "measured_us": _sig(t * 1e6),
+                               "predicted_us": _sig(p * 1e6), "tflops": _sig(2 * r["m"] * r["n"] * r["k"] / t / 1e12),
+                               "efficiency": _sig(2 * r["m"] * r["n"] * r["k"] / t / peak, 4)}
+                              for r, t, p in zip(rows, measured, predicted)]
+        out[dtype] = entry
+    return out

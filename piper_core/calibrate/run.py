@@ -1,0 +1,154 @@
+"""``calibrate()``: run the benchmarks, fit, write the profile; what ``piper calibrate`` calls.
+
+Steps run in order (:mod:`~piper_core.calibrate.steps`); the fits use whatever succeeded and fall
+back to the base preset, saying so, for what did not. The host-overhead probe of the Megatron
+adapter (``piper_megatron.probe``) is one more step when it can be imported; if it cannot, or it
+fails, the overhead fields stay at the base preset's values and the profile records why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from piper_core.calibrate.assemble import check_collectives, fit_accelerator, fit_links, reduce_outcomes
+from piper_core.calibrate.profile import write_profile
+from piper_core.calibrate.steps import OVERHEAD_PROBE, Outcome, RunLog, Step, Topology, overhead_probe_available, \
+    plan_steps, run_steps
+from piper_core.presets import load_cluster
+from piper_core.specs.cluster import ClusterSpec
+
+OVERHEAD_FIELDS = ("layer_overhead_us", "moe_overhead_us", "expert_overhead_us", "backward_overhead_factor",
+                   "microbatch_overhead_us", "step_overhead_us")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CalibrateOptions:
+    """What ``piper calibrate`` was asked: where to write, on which ranks, from which base preset."""
+
+    out: Path
+    topology: Topology
+    base: str = "cpu-local"
+    quick: bool = False
+    cache: Path | None = None
+    timeout_per_bench_s: float = 120.0
+    command: str = "piper calibrate"
+
+    @property
+    def cache_dir(self) -> Path:
+        """``--cache``, or ``<out stem>.cache/`` next to the profile."""
+        return self.cache if self.cache is not None else self.out.with_name(self.out.stem + ".cache")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Calibration:
+    """The outcome: the fitted cluster, the calibration record written with it, each step's outcome."""
+
+    cluster: ClusterSpec
+    calibration: dict[str, Any]
+    outcomes: tuple[Outcome, ...]
+    path: Path
+
+
+def default_steps(options: CalibrateOptions) -> tuple[list[Step], str | None]:
+    """The steps for ``options`` and, when the host-overhead probe cannot run, why not."""
+    why_not = overhead_probe_available()
+    steps = plan_steps(options.topology, quick=options.quick, timeout_s=options.timeout_per_bench_s,
+                       overhead_probe=why_not is None)
+    return steps, why_not
+
+
+def calibrate(options: CalibrateOptions, *, steps: Sequence[Step] | None = None,
+              on_step: Callable[[int, Step, Outcome | None], None] | None = None,
+              probe_missing: str | None = None) -> Calibration:
+    """Run ``steps`` (default :func:`default_steps`), fit, and write the profile to ``options.out``.
+    ``probe_missing``: why the host-overhead probe is not among ``steps`` (recorded)."""
+    base = load_cluster(options.base)
+    if steps is None:
+        steps, probe_missing = default_steps(options)
+    log = run_steps(steps, options.topology, timeout_s=options.timeout_per_bench_s, cache=options.cache_dir,
+                    on_step=on_step)
+    cluster, calibration = assemble(options, base, log, probe_missing)
+    write_profile(options.out, cluster, calibration)
+    return Calibration(cluster=cluster, calibration=calibration, outcomes=tuple(log.outcomes), path=options.out)
+
+
+def assemble(options: CalibrateOptions, base: ClusterSpec, log: RunLog,
+             probe_missing: str | None) -> tuple[ClusterSpec, dict[str, Any]]:
+    """Fit every term from the successful steps; the calibration record to write beside it."""
+    medians = reduce_outcomes(log.outcomes)
+    topo = options.topology
+    acc, fits = fit_accelerator(medians, base.accelerator)
+    cluster, links = fit_links(medians, topo, dataclasses.replace(base, accelerator=acc))
+    fits["links"] = links
+    fits["checks"] = check_collectives(medians, cluster)
+    failures = {o.name: {"status": o.status, "error": o.error, "wall_s": round(o.seconds, 2)}
+                for o in log.outcomes if o.status != "ok"}
+    cluster = dataclasses.replace(cluster, name=_name(topo))
+    cluster, fits["overheads"] = _overheads(cluster, medians.get("overheads"), probe_missing, failures)
+    benchmarks = {o.name: {"wall_s": round(o.seconds, 2), "cached": o.cached, "result": medians[o.name]}
+                  for o in log.outcomes if o.status == "ok"}
+    calibration = {
+        "machine": _machine(log), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "ranks": topo.world_size, "nodes": topo.nodes, "ranks_per_node": topo.ranks_per_node,
+        "inter_node_mbit": topo.inter_node_mbit, "base": options.base, "command": options.command,
+        "benchmarks": benchmarks, "failures": failures, "fits": fits,
+    }
+    return cluster, calibration
+
+
+def _overheads(cluster: ClusterSpec, probe: dict[str, Any] | None, missing: str | None,
+               failures: dict[str, Any]) -> tuple[ClusterSpec, dict[str, Any]]:
+    """Fit the host-overhead fields from the probe's results (the probe's own pure fit, given the
+    cluster with every other term already fitted)."""
+    acc = cluster.accelerator
+    kept = {f: getattr(acc, f) for f in OVERHEAD_FIELDS}
+    if missing is not None:
+        failures.setdefault("overheads", {"status": "skipped", "error": missing, "wall_s": 0.0})
+        return cluster, {"source": f"not fitted ({missing}); base values kept", "values": kept}
+    if probe is None:
+        why = failures.get("overheads", {}).get("error") or "the probe did not run"
+        return cluster, {"source": f"not fitted (the probe failed: {why.splitlines()[0]}); base values kept",
+                     "values": kept}
+    try:
+        fit_overheads = importlib.import_module(OVERHEAD_PROBE).fit_overheads
+        fields, info = fit_overheads(cluster, list(probe["ranks"]))
+        fitted = dataclasses.replace(acc, **fields)
+    except Exception as exc:  # noqa: BLE001 - a broken fit is recorded, like a broken benchmark
+        failures["overheads"] = {"status": "failed", "error": f"fit_overheads: {type(exc).__name__}: {exc}",
+                                 "wall_s": 0.0}
+        return cluster, {"source": "not fitted (fit_overheads failed); base values kept", "values": kept}
+    return dataclasses.replace(cluster, accelerator=fitted), {"source": f"fitted by {OVERHEAD_PROBE}.fit_overheads",
+                    "values": {f: getattr(fitted, f) for f in (*OVERHEAD_FIELDS, "elementwise_gb_per_s")}, "fit": info}
+
+
+def _name(topo: Topology) -> str:
+    host = platform.node().split(".")[0] or "host"
+    rate = f"-{topo.inter_node_mbit:g}mbit" if topo.inter_node_mbit is not None else ""
+    return f"calibrated-{host}-{topo.nodes}x{topo.ranks_per_node}{rate}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _machine(log: RunLog) -> dict[str, Any]:
+    torch_version = next((o.results[0].get("torch") for o in log.outcomes
+                          if o.status == "ok" and o.results and isinstance(o.results[0], dict)
+                          and "torch" in o.results[0]), None)
+    return {"hostname": platform.node(), "cpu": _cpu_model(), "cores": os.cpu_count(),
+            "kernel": platform.release(), "python": sys.version.split()[0], "torch": torch_version}

@@ -1,0 +1,93 @@
+"""``piper validate [--quick] [--cases A,B] [--profiles DIR] [--json FILE] [--plot DIR]``.
+
+Trains each validation case (:mod:`piper_core.validate.cases`) for a few real steps with
+Megatron-Core and Piper's dispatcher on CPU ranks (local, or on the emulated 2-node cluster),
+instrumented, and compares step time, memory and the all-to-all phases with what the calibrated
+profile of the case's topology predicts. Profiles are read from ``DIR/<topology>.yaml``; a missing
+one is calibrated first (``piper calibrate``) and written there, so a second run reuses it.
+Exit status 1 when an acceptance limit is missed (MAPE, worst case, memory, scheduler's pick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_PROFILES = Path(".piper/profiles")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("validate", help="measure real training steps on CPU ranks against the model's prediction",
+                       description=__doc__.split("\n\n")[1])
+    p.add_argument("--quick", action="store_true", help="three plans on 2 local ranks (the default test run's check)")
+    p.add_argument("--cases", help="comma-separated case names (default: all, or the quick three)")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--profiles", type=Path, default=DEFAULT_PROFILES,
+                   help=f"directory of calibrated profiles, one per topology (default {DEFAULT_PROFILES})")
+    p.add_argument("--recalibrate", action="store_true", help="calibrate again even where a profile exists")
+    p.add_argument("--steps", type=int, default=None, help="training steps per case (default 6; 2 untimed)")
+    p.add_argument("--json", type=Path, metavar="FILE", help="write the rows and the verdict as JSON")
+    p.add_argument("--plot", type=Path, metavar="DIR", help="write DIR/validation_scatter.png")
+    p.add_argument("--realtime", action="store_true",
+                   help="run the ranks (calibration too) under SCHED_FIFO (root), so other processes on a shared "
+                        "machine do not disturb the timings")
+    p.set_defaults(func=run)
+
+
+def profiles_for(topologies: list[str], directory: Path, *, recalibrate: bool, quick: bool,
+                 realtime: bool = False) -> dict:
+    """The ClusterSpec of each topology: the profile in ``directory``, calibrated first if missing."""
+    from piper_core.calibrate.api import calibrate_topology
+    from piper_core.presets import load_cluster
+
+    out = {}
+    for topo in topologies:
+        path = directory / f"{topo}.yaml"
+        if recalibrate or not path.is_file():
+            print(f"piper: calibrating {topo} -> {path} (piper calibrate{' --quick' if quick else ''})", file=sys.stderr)
+            calibrate_topology(topo, path, quick=quick, realtime=realtime)
+        out[topo] = load_cluster(str(path))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from piper_core.cli.progress import Progress
+    from piper_core.export import plan_label
+    from piper_core.validate.cases import select
+    from piper_core.validate.compare import row_json, verdict
+    from piper_core.validate.report import scatter, table
+    from piper_core.validate.run import STEPS, WARMUP, run_cases
+
+    cases = select(args.cases.split(",") if args.cases else None, quick=args.quick)
+    if args.list:
+        for c in cases:
+            print(f"{c.name:<20} {c.topology:<18} {c.model.name:<18} {plan_label(c.plan, gbs=True)}")
+        return 0
+    topologies = sorted({c.topology for c in cases})
+    steps = args.steps or STEPS
+    progress = Progress("piper validate")
+    # one topology at a time, its calibration right before its cases: a shared machine's speed
+    # drifts over minutes, and the profile should describe the machine the cases meet
+    rows = []
+    for topo in topologies:
+        profiles = profiles_for([topo], args.profiles, recalibrate=args.recalibrate, quick=args.quick,
+                                realtime=args.realtime)
+        mine = [c for c in cases if c.topology == topo]
+        rows += run_cases(mine, profiles, steps=steps, warmup=min(WARMUP, steps - 1), realtime=args.realtime,
+                          progress=lambda i, n, done=len(rows): progress(done + i, len(cases)))
+    order = {c.name: i for i, c in enumerate(cases)}
+    rows.sort(key=lambda r: order[r.case.name])
+    v = verdict(rows)
+    print(table(rows, v))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rows": [row_json(r) for r in rows], "verdict": v,
+                                         "profiles": {t: str(args.profiles / f"{t}.yaml") for t in topologies}},
+                                        indent=1))
+        print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {scatter(args.plot / 'validation_scatter.png', rows, v)}")
+    ok = v["step_mape_ok"] and v["worst_step_ok"] and v["memory_ok"] and v["picks_ok"]
+    return 0 if ok else 1

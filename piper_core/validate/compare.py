@@ -1,0 +1,109 @@
+"""Measured vs predicted for one validation case, and the whole table's verdict (pure; no torch).
+
+Per case: the step time (median of the timed steps of the slowest rank) against ``predict``'s step;
+per pipeline stage, parameter bytes plus the peak of activation storages held for backward against
+the model's weights plus activations of that stage; the forward dispatch / expert / combine times of
+the MoE layers (rank 0, per step) against the model's exposed all-to-all and expert compute, for
+reading only (the acceptance is on the step and on memory). Across cases: MAPE, the worst case, and
+per group whether the plan with the least predicted step is the measured fastest or within 5 % of it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from piper_core.resource.predict import Prediction
+from piper_core.timing.layer import layer_cost, shape_of
+from piper_core.validate.cases import Case
+
+STEP_MAPE_LIMIT, STEP_WORST_LIMIT, MEMORY_LIMIT, PICK_LIMIT = 0.10, 0.20, 0.05, 0.05
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Row:
+    case: Case
+    measured_step_s: float
+    predicted_step_s: float
+    measured_memory: tuple[int, ...]  # per stage: param bytes + activation peak
+    predicted_memory: tuple[int, ...]
+    phases: dict[str, float]  # measured/predicted ms per step, rank 0
+    losses: tuple[float, ...]
+
+    @property
+    def step_error(self) -> float:
+        return (self.predicted_step_s - self.measured_step_s) / self.measured_step_s
+
+    @property
+    def memory_error(self) -> float:
+        """The largest relative error over the pipeline stages."""
+        return max(((p - m) / m for m, p in zip(self.measured_memory, self.predicted_memory)), key=abs)
+
+
+def _phases(case: Case, pred: Prediction, measured: dict[str, float]) -> dict[str, float]:
+    model, plan = case.model, case.plan
+    out = {f"measured_{k}_ms": round(v, 3) for k, v in measured.items() if k != "calls"}
+    if not model.is_moe:
+        return out
+    cost = layer_cost(model, shape_of(plan), pred.cluster, True)
+    calls = measured.get("calls", 0.0)  # MoE layer forwards per step on rank 0
+    out["predicted_a2a_fwd_ms"] = round(1e3 * calls * cost.a2a_fwd, 3)
+    out["measured_a2a_fwd_ms"] = round(measured.get("dispatch", 0.0) + measured.get("combine", 0.0), 3)
+    return out
+
+
+def compare(case: Case, pred: Prediction, summary: dict[str, Any], *, warmup: int) -> Row:
+    measured_step = statistics.median(summary["step_s"][warmup:])
+    stages = summary["stages"]
+    measured_mem = tuple(s["param_bytes"] + s["activation_peak_bytes"] for s in stages)
+    predicted_mem = tuple(s.weights + s.activations for s in pred.stages)
+    return Row(case=case, measured_step_s=measured_step, predicted_step_s=pred.time.step,
+               measured_memory=measured_mem, predicted_memory=predicted_mem,
+               phases=_phases(case, pred, summary["moe_phases_ms_per_step"]), losses=tuple(summary["losses"]))
+
+
+def verdict(all_rows: list[Row]) -> dict[str, Any]:
+    """MAPE, worst step error, worst memory error, the scheduler's pick per group; pass/fail each.
+    Cases marked ``excluded`` are left out of every figure (and listed with the reason)."""
+    rows = [r for r in all_rows if r.case.excluded is None]
+    errors = [abs(r.step_error) for r in rows]
+    mape = sum(errors) / len(errors)
+    worst = max(rows, key=lambda r: abs(r.step_error))
+    mem_worst = max(rows, key=lambda r: abs(r.memory_error))
+    groups: dict[str, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(r.case.group, []).append(r)
+    picks = {}
+    for g, members in groups.items():
+        if len(members) < 2:
+            continue
+        pick = min(members, key=lambda r: r.predicted_step_s)
+        fastest = min(members, key=lambda r: r.measured_step_s)
+        slower = pick.measured_step_s / fastest.measured_step_s - 1
+        picks[g] = {"pick": pick.case.name, "measured_fastest": fastest.case.name, "pick_slower_by": round(slower, 4),
+                    "ok": slower <= PICK_LIMIT}
+    return {
+        "cases": len(rows),
+        "excluded": {r.case.name: r.case.excluded for r in all_rows if r.case.excluded is not None},
+        "step_mape": round(mape, 4), "step_mape_ok": mape <= STEP_MAPE_LIMIT,
+        "worst_step_case": worst.case.name, "worst_step_error": round(worst.step_error, 4),
+        "worst_step_ok": abs(worst.step_error) <= STEP_WORST_LIMIT,
+        "worst_memory_case": mem_worst.case.name, "worst_memory_error": round(mem_worst.memory_error, 4),
+        "memory_ok": abs(mem_worst.memory_error) <= MEMORY_LIMIT,
+        "picks": picks, "picks_ok": all(p["ok"] for p in picks.values()),
+        "limits": {"step_mape": STEP_MAPE_LIMIT, "worst_step": STEP_WORST_LIMIT, "memory": MEMORY_LIMIT,
+                   "pick": PICK_LIMIT},
+    }
+
+
+def row_json(r: Row) -> dict[str, Any]:
+    from piper_core.export import plan_label
+
+    return {"case": r.case.name, "group": r.case.group, "topology": r.case.topology, "model": r.case.model.name,
+            "plan": plan_label(r.case.plan),
+            "step_s": {"measured": round(r.measured_step_s, 5), "predicted": round(r.predicted_step_s, 5),
+                       "error": round(r.step_error, 4)},
+            "memory_bytes": {"measured": list(r.measured_memory), "predicted": list(r.predicted_memory),
+                             "error": round(r.memory_error, 4)},
+            "phases_ms_per_step": r.phases, "losses": list(r.losses), "excluded": r.case.excluded}

@@ -1,0 +1,40 @@
+"""Run the validation cases and compare each with the prediction of its topology's profile.
+
+``profiles`` maps a case's :attr:`Case.topology` (``local-2``, ``local-4``, ``emu-2x1-200mbit``) to
+the calibrated :class:`ClusterSpec` that predicts it. Training runs through
+:func:`piper_megatron.train.run` (Megatron-Core, Piper's dispatcher, local or emulated ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from piper_core.resource.predict import predict
+from piper_core.specs.cluster import ClusterSpec
+from piper_core.validate.cases import Case
+from piper_core.validate.compare import Row, compare
+
+STEPS, WARMUP = 12, 3
+
+
+def run_case(case: Case, cluster: ClusterSpec, *, steps: int = STEPS, warmup: int = WARMUP,
+             timeout_s: float = 600.0, realtime: bool = False) -> Row:
+    from piper_megatron.train import TrainJob, run, summary
+
+    job = TrainJob(model=case.model, plan=case.plan, steps=steps, warmup=warmup)
+    reports = run(job, nodes=case.nodes, inter_node_mbit=case.inter_node_mbit, timeout_s=timeout_s,
+                  realtime=realtime)
+    return compare(case, predict(case.model, cluster, case.plan), summary(reports), warmup=warmup)
+
+
+def run_cases(cases: Sequence[Case], profiles: Mapping[str, ClusterSpec], *, steps: int = STEPS,
+              warmup: int = WARMUP, progress: Callable[[int, int], None] | None = None,
+              realtime: bool = False) -> list[Row]:
+    rows = []
+    for i, case in enumerate(cases):
+        if progress:
+            progress(i, len(cases))
+        rows.append(run_case(case, profiles[case.topology], steps=steps, warmup=warmup, realtime=realtime))
+    if progress:
+        progress(len(cases), len(cases))
+    return rows

@@ -1,0 +1,216 @@
+"""Host-overhead probe: fits the framework time per layer, MoE layer, expert, micro-batch and step.
+
+On CPU ranks (and on any host-bound setup) Megatron-Core spends more time in Python -- module calls,
+hooks, the router, the token dispatcher's bookkeeping, the schedule -- than in the GEMMs of a small
+model. The roofline cannot see it; :class:`piper_core.specs.cluster.AcceleratorSpec` has six host
+overhead terms for it, and this probe fits them on the machine, as part of ``piper calibrate``:
+
+1. :func:`probe_rank` (every rank at once, so ranks share the cores as in a real job) trains small
+   Megatron-Core models through :mod:`piper_megatron.train` -- dense with 1 to 3 layers, MoE with 2
+   to 16 experts, 1 to 3 micro-batches of 1 to 4 sequences, mostly ep = 1 and twice with the experts
+   spread over every rank -- timing training steps and forward-only passes, without data-parallel
+   gradient reduction (one rank's own work). Their widths are those of the model family being
+   calibrated for (the validation family, :data:`piper_core.validate.cases.VAL_MODEL`; on CPU the
+   per-operator cost depends on the tensor sizes, as GEMM efficiency does); their structure is not
+   any validation plan.
+2. :func:`fit_overheads` (pure) subtracts what the calibrated model already predicts for each probe
+   run (GEMMs, the all-to-all, the optimizer; host terms zero) and solves two least-squares problems:
+   forward-only passes give the element-wise rate as the framework achieves it per byte the model
+   counts, and the per-layer, per-MoE-layer, per-expert and per-micro-batch forward terms; training
+   steps then give the backward factor, the per-micro-batch and the per-step terms. Fit quality
+   (R^2, largest relative residual of the whole predicted step) goes into the profile.
+
+The probe runs are not validation plans (``piper validate`` runs 4-layer models with real expert,
+data and pipeline parallelism, other micro-batch sizes, experts and top-k), so validation checks the
+fitted terms on runs they were not fitted to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from piper_core.specs.cluster import ClusterSpec
+from piper_core.specs.model import ModelSpec
+from piper_core.specs.parallel import ParallelPlan
+
+
+def _probe_base() -> ModelSpec:
+    from piper_core.validate.cases import VAL_MODEL
+
+    return dataclasses.replace(VAL_MODEL, name="probe")
+
+
+PROBE_MODEL = _probe_base()
+PROBE_MBS = 2
+# (layers, experts (None: dense), micro-batches, micro-batch size, experts spread over every rank):
+# structure and token counts spread so that per-layer, per-MoE-layer, per-expert, per-micro-batch and
+# per-byte terms separate; two runs with ep = ranks, so that ranks synchronise at every MoE layer as
+# in expert-parallel jobs (their all-to-all is priced by the fitted links, not by these terms)
+PROBES: tuple[tuple[int, int | None, int, int, bool], ...] = (
+    (1, None, 1, 1, False), (1, None, 1, 4, False), (3, None, 1, 2, False), (3, None, 3, 2, False),
+    (2, None, 2, 1, False), (2, 2, 1, 2, False), (2, 8, 1, 2, False), (2, 8, 3, 2, False), (1, 4, 2, 4, False),
+    (1, 8, 1, 1, False), (1, 16, 1, 2, False), (2, 8, 1, 2, True), (2, 16, 2, 2, True),
+)
+
+
+def probe_label(layers: int, experts: int | None, m: int, mbs: int, spread: bool = False) -> str:
+    return f"{'dense' if experts is None else f'moe{experts}'}-L{layers}-m{m}-mbs{mbs}" + ("-epall" if spread else "")
+
+
+FIELDS = ("layer_overhead_us", "moe_overhead_us", "expert_overhead_us", "backward_overhead_factor",
+          "microbatch_overhead_us", "step_overhead_us")
+
+
+def probe_model(layers: int, experts: int | None) -> ModelSpec:
+    # capacity-padded experts (the base's capacity factor): fixed GEMM shapes, see
+    # piper_core.validate.cases on oneDNN's per-shape cost
+    moe = {"num_experts": 0, "moe_capacity_factor": None, "moe_router_topk": 1} if experts is None \
+        else {"num_experts": experts}
+    return dataclasses.replace(PROBE_MODEL, name=f"probe-{'dense' if experts is None else f'moe{experts}'}-L{layers}",
+                               num_layers=layers, **moe)
+
+
+def probe_plan(world: int, micro_batches: int, mbs: int = PROBE_MBS, spread: bool = False) -> ParallelPlan:
+    return ParallelPlan(gpus=world, ep=world if spread else 1, micro_batch_size=mbs,
+                        global_batch_size=world * micro_batches * mbs, distributed_optimizer=False,
+                        attention_backend="unfused")
+
+
+def probe_rank(info: Any, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rank side: every probe run, timed (median seconds of training steps and forward passes)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from piper_megatron.cpu import install_cpu_training_shims
+    from piper_megatron.train import TrainJob, _train
+
+    install_cpu_training_shims()
+    settings = settings or {}
+    steps, forward, warmup = int(settings.get("steps", 8)), int(settings.get("forward_steps", 5)), 3
+    out = []
+    with tempfile.TemporaryDirectory(prefix="piper-probe-") as tmp:
+        for layers, experts, m, mbs, spread in PROBES:
+            if spread and (info.world_size == 1 or experts % info.world_size):
+                continue
+            job = TrainJob(model=probe_model(layers, experts), plan=probe_plan(info.world_size, m, mbs, spread),
+                           steps=steps, warmup=warmup, forward_steps=forward, sync_grads=False)
+            r = _train(job, info.ranks_per_node, Path(tmp))
+            out.append({"label": probe_label(layers, experts, m, mbs, spread), "layers": layers, "experts": experts,
+                        "micro_batches": m, "micro_batch_size": mbs, "spread": spread,
+                        "step_s": statistics.median(r["step_s"][warmup:]), "forward_s": statistics.median(r["forward_s"])})
+    return {"rank": info.rank, "runs": out}
+
+
+# ---- fit (pure) -----------------------------------------------------------------------------------
+
+def _lstsq(rows: list[list[float]], ys: list[float], scale: list[float]) -> list[float]:
+    """Least squares of the residuals relative to ``scale`` (each run's measured time: the
+    validation judges relative errors), every coefficient >= 0 (drop a negative one and refit)."""
+    import numpy as np
+
+    w = np.ones(len(scale))  # unweighted: relative weights overfit the smallest runs (tried)
+    active = list(range(len(rows[0])))
+    while True:
+        a = np.array([[r[i] for i in active] for r in rows], dtype=float) * w[:, None]
+        coef, *_ = np.linalg.lstsq(a, np.array(ys, dtype=float) * w, rcond=None)
+        if (coef >= 0).all() or len(active) == 1:
+            full = [0.0] * len(rows[0])
+            for i, c in zip(active, coef):
+                full[i] = max(0.0, float(c))
+            return full
+        active.pop(int(np.argmin(coef)))
+
+
+FAST = 1e6  # GB/s: an element-wise rate at which the model's element-wise terms vanish
+
+
+def _with(cluster: ClusterSpec, **fields: Any) -> ClusterSpec:
+    return dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, **fields))
+
+
+def _base(cluster: ClusterSpec, run: dict[str, Any], world: int) -> tuple[float, float]:
+    """(training step without data-parallel reduction, forward-only pass) the model predicts for a
+    probe run on ``cluster`` (the probe does not reduce gradients: it times one rank's own work, so
+    a slow link between the ranks cannot leak into the host terms)."""
+    from piper_core.timing.layer import layer_cost, shape_of
+    from piper_core.timing.step import _logits, step_time
+
+    layers, experts, m = run["layers"], run["experts"], run["micro_batches"]
+    model = probe_model(layers, experts)
+    plan = probe_plan(world, m, run.get("micro_batch_size", PROBE_MBS), run.get("spread", False))
+    cost = layer_cost(model, shape_of(plan), cluster, model.is_moe)
+    forward = m * (layers * cost.fwd + _logits(model, plan, cluster) / 3)
+    t = step_time(model, plan, cluster)
+    return t.step - t.data_parallel, forward
+
+
+def _parts(cluster: ClusterSpec, run: dict[str, Any], world: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The model's (step, forward) split into what is not element-wise, and the element-wise bytes
+    in GB (the time at 1 GB/s), with every host overhead at zero."""
+    fast = _base(_with(cluster, elementwise_gb_per_s=FAST), run, world)
+    slow = _base(_with(cluster, elementwise_gb_per_s=1.0), run, world)
+    gbytes = tuple((s - f) / (1 - 1 / FAST) for s, f in zip(slow, fast))
+    rest = tuple(f - g / FAST for f, g in zip(fast, gbytes))
+    return (rest[0], gbytes[0]), (rest[1], gbytes[1])
+
+
+def fit_overheads(cluster: ClusterSpec, probe_results: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, Any]]:
+    """The host-overhead fields and the in-situ element-wise rate fitted to the probe runs (slowest
+    rank per run), and fit info. ``cluster`` carries the already-fitted kernel and link terms.
+
+    Forward passes: ``y - G = k B + m (L a + L_moe b + L_moe E c + d_f)`` gives the element-wise rate
+    ``1/k`` (per byte the model counts, as the framework runs it) and the per-layer terms; training
+    steps: ``y - G - k B = (1 + f) H + m d + s`` the backward factor, micro-batch and step terms
+    (``G``: the model's kernels, communication and optimizer; ``B``: its element-wise GB; ``H``: the
+    fitted forward overheads of the run's layers).
+    """
+    world = len(probe_results)
+    runs = []
+    for i, run in enumerate(probe_results[0]["runs"]):
+        step = max(r["runs"][i]["step_s"] for r in probe_results)
+        fwd = max(r["runs"][i]["forward_s"] for r in probe_results)
+        runs.append((run, step, fwd))
+    zero = _with(cluster, **{f: (2.0 if f == "backward_overhead_factor" else 0.0) for f in FIELDS})
+    parts = [_parts(zero, run, world) for run, _, _ in runs]
+    f_rows, f_ys, counts = [], [], []
+    for (run, _, fwd), (_, (g_f, b_f)) in zip(runs, parts):
+        L, E, m = run["layers"], run["experts"], run["micro_batches"]
+        moe = L if E else 0
+        local = (E or 0) // (world if run.get("spread") else 1)  # experts on one rank
+        counts.append((m * L, m * moe, m * moe * local))
+        f_rows.append([b_f, m * L, m * moe, m * moe * local, m])  # k: us per GB
+        f_ys.append((fwd - g_f) * 1e6)
+    k, a, b, c, d_f = _lstsq(f_rows, f_ys, [fwd for _, _, fwd in runs])
+    t_rows, t_ys = [], []
+    for (run, step, _), ((g_t, b_t), _), n in zip(runs, parts, counts):
+        h = a * n[0] + b * n[1] + c * n[2]
+        t_rows.append([h, run["micro_batches"], 1.0])
+        t_ys.append((step - g_t) * 1e6 - k * b_t - h)
+    f, d, s = _lstsq(t_rows, t_ys, [step for _, step, _ in runs])
+    fields = {"layer_overhead_us": a, "moe_overhead_us": b, "expert_overhead_us": c, "backward_overhead_factor": f,
+              "microbatch_overhead_us": d, "step_overhead_us": s}
+    fields = {key: round(v, 3) for key, v in fields.items()}
+    if k > 0:
+        fields["elementwise_gb_per_s"] = float(f"{1e6 / k:.5g}")  # us per GB -> GB/s
+    fitted = _with(cluster, **fields)
+    measured, predicted, points = [], [], []
+    for run, step, fwd in runs:
+        p, pf = _base(fitted, run, world)
+        measured.append(step)
+        predicted.append(p)
+        points.append({"label": run["label"], "measured_s": round(step, 6), "predicted_s": round(p, 6),
+                       "forward_measured_s": round(fwd, 6), "forward_predicted_s": round(pf, 6)})
+    return fields, {"runs": points, **quality(measured, predicted)}
+
+
+def quality(measured: list[float], predicted: list[float]) -> dict[str, float]:
+    """R^2 of ``predicted`` against ``measured`` and the largest relative residual."""
+    mean = sum(measured) / len(measured)
+    ss_tot = sum((y - mean) ** 2 for y in measured)
+    ss_res = sum((y - p) ** 2 for y, p in zip(measured, predicted))
+    return {"r2": round(1 - ss_res / ss_tot, 4) if ss_tot > 0 else 1.0,
+            "max_rel_residual": round(max(abs(p - y) / y for y, p in zip(measured, predicted)), 4)}

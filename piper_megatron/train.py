@@ -1,0 +1,343 @@
+"""Train a Piper model spec with Megatron-Core on local CPU ranks, instrumented.
+
+    python -m piper_megatron.train --model tiny-moe --ranks 4 --parallel "ep=2,pp=2,mbs=2,gbs=8" --steps 5
+
+The real Megatron-Core path: :mod:`piper_megatron.build` builds the GPTModel of each pipeline rank
+(local modules, bf16 parameters), Megatron's ``DistributedDataParallel`` (fp32 main gradients),
+Megatron's mixed-precision Adam (``get_megatron_optimizer``), and Megatron's schedule
+(``get_forward_backward_func``: 1F1B with pp > 1); the MoE layers use Piper's token dispatcher
+(:func:`piper_megatron.dispatcher.install_dispatcher`) with the plan's all-to-all, or Megatron's
+own with ``--stock``. Each rank measures, per step, the wall time between two barriers, and once:
+the bytes of its parameters, the peak of activation storages held for backward during a step
+(saved-tensor hooks, unique storages, parameters and model inputs excluded), and the forward
+dispatch / expert / combine times of its MoE layers (Piper's tracer).
+
+:func:`rank_main` is the rank side (a target for :func:`piper_core.emulate.run_local` and
+:func:`piper_core.emulate.run_emulated`, so the same job runs on local ranks or on the emulated
+multi-node cluster); :func:`run` launches it and returns every rank's :class:`RankReport` as a
+dict. ``piper validate`` and ``make run`` build on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from piper_core.specs.model import ModelSpec
+from piper_core.specs.parallel import ParallelPlan
+from piper_core.specs.yamlio import from_dict, to_dict
+
+TIMEOUT_S = 600.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TrainJob:
+    """One measured training run: ``model`` under ``plan`` for ``steps`` steps (the first
+    ``warmup`` not timed into the median). ``stock``: Megatron's own dispatcher."""
+
+    model: ModelSpec
+    plan: ParallelPlan
+    steps: int = 4
+    warmup: int = 1
+    stock: bool = False
+    seed: int = 1234
+    lr: float = 1e-3
+    forward_steps: int = 0  # extra forward-only passes timed after training (the host-overhead probe)
+    sync_grads: bool = True  # False: no data-parallel gradient reduction (the probe times one rank's work)
+
+    def __post_init__(self) -> None:
+        from piper_core.errors import SpecError
+
+        if self.steps <= self.warmup:
+            raise SpecError("steps", self.steps, f"must be > warmup ({self.warmup}) to time a step",
+                            f"use steps >= {self.warmup + 1}")
+        for key, value, fix in (("distributed_optimizer", self.plan.distributed_optimizer, "dist_opt=false"),
+                                ("vpp", self.plan.vpp, "no vpp"), ("tp", self.plan.tp != 1 and self.plan.tp, "tp=1"),
+                                ("optimizer_offload_fraction", self.plan.optimizer_offload_fraction, "offload=0")):
+            if value:
+                raise SpecError(key, value, "the CPU trainer runs Megatron-Core's model, DDP and schedule with a "
+                                "host mixed-precision Adam: no distributed optimizer or offload, no virtual "
+                                "pipeline, tp 1", f"set {fix}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": to_dict(self.model), "plan": to_dict(self.plan), "steps": self.steps,
+                "warmup": self.warmup, "stock": self.stock, "seed": self.seed, "lr": self.lr,
+                "forward_steps": self.forward_steps, "sync_grads": self.sync_grads}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TrainJob:
+        return cls(model=from_dict(ModelSpec, d["model"], where="job"), plan=from_dict(ParallelPlan, d["plan"], where="job"),
+                   steps=d["steps"], warmup=d["warmup"], stock=d["stock"], seed=d["seed"], lr=d["lr"],
+                   forward_steps=d.get("forward_steps", 0), sync_grads=d.get("sync_grads", True))
+
+
+# ---- measurement ----------------------------------------------------------------------------------
+
+class _Box:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: Any) -> None:
+        self.tensor = tensor
+
+
+class ActivationPeak:
+    """Saved-tensor hooks that keep a running sum of the unique storages autograd holds (each
+    counted once however many saves share it; parameters and listed inputs excluded) and its peak."""
+
+    def __init__(self, excluded: set[int]):
+        self.excluded = excluded
+        self.held: dict[int, list[int]] = {}  # storage address -> [saves alive, bytes]
+        self.now = self.peak = 0
+
+    def pack(self, tensor: Any) -> Any:
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.excluded or storage.nbytes() == 0:
+            return tensor
+        box = _Box(tensor)
+        entry = self.held.get(ptr)
+        if entry is None:
+            entry = self.held[ptr] = [0, storage.nbytes()]
+            self.now += entry[1]
+            self.peak = max(self.peak, self.now)
+        entry[0] += 1
+        weakref.finalize(box, self._release, ptr)
+        return box
+
+    def _release(self, ptr: int) -> None:
+        entry = self.held[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.now -= entry[1]
+            del self.held[ptr]
+
+    @staticmethod
+    def unpack(box: Any) -> Any:
+        return box.tensor if isinstance(box, _Box) else box
+
+
+def _median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+def _phases(trace: Path) -> dict[str, float]:
+    """Per step: the forward dispatch / expert / combine ms of all MoE layer calls, summed."""
+    from piper_megatron.trace import PHASES, read_trace
+
+    records = read_trace(trace) if trace.exists() else []
+    return {p: sum(r[f"{p}_ms"] for r in records) for p in PHASES} | {"calls": len(records)}
+
+
+# ---- rank side ------------------------------------------------------------------------------------
+
+class MixedPrecisionAdam:
+    """Megatron's mixed-precision step without its CUDA-only optimizer classes: Adam on fp32 master
+    copies of the bf16 parameters, reading DDP's fp32 ``main_grad``, writing the bf16 copies back
+    (the state Piper's memory model prices for a non-distributed optimizer)."""
+
+    def __init__(self, params: list[Any], *, lr: float):
+        import torch
+
+        self.params = params
+        self.masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+        self.adam = torch.optim.Adam(self.masters, lr=lr)
+
+    def step(self) -> None:
+        import torch
+
+        for p, m in zip(self.params, self.masters):
+            m.grad = p.main_grad
+        self.adam.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+
+def _config_overrides() -> dict[str, Any]:
+    """The CPU kernels (as :mod:`piper_megatron.measure` uses): no CUDA-only fusions; no aux loss."""
+    return dict(masked_softmax_fusion=False, attention_softmax_in_fp32=False, apply_rope_fusion=False,
+                bias_activation_fusion=False, bias_dropout_fusion=False, moe_aux_loss_coeff=0.0)
+
+
+def _train(job: TrainJob, ranks_per_node: int, trace_dir: Path) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from piper_core.runtime import NodeTopology
+    from piper_megatron.build import gpt_model
+    from piper_megatron.dispatcher import DispatchSettings, create_ep_comm, install_dispatcher
+    from piper_megatron.trace import Tracer
+
+    model, plan = job.model, job.plan
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
+                                             expert_model_parallel_size=plan.ep)
+    patches, tracer = None, None
+    try:
+        if model.is_moe and not job.stock:
+            comm = create_ep_comm(NodeTopology.uniform(world_size=world, ranks_per_node=ranks_per_node))
+            tracer = Tracer(trace_dir / f"trace.rank{rank}.jsonl", rank=rank)
+            patches = install_dispatcher(comm, DispatchSettings.from_plan(plan.a2a, plan.a2a_chunks), tracer=tracer)
+        tensor_parallel.model_parallel_cuda_manual_seed(job.seed)
+        torch.manual_seed(job.seed)
+        gpt = gpt_model(model, plan, device="cpu", **_config_overrides())
+        # overlap_grad_reduce as --piper sets it and the step-time model assumes (one bucket exposed);
+        # without sync_grads neither the hooks nor finalize_model_grads reduce anything
+        ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=job.sync_grads), gpt)
+        gpt.config.finalize_model_grads_func = finalize_model_grads if job.sync_grads else None
+        gpt.config.no_sync_func = ddp.no_sync
+        optimizer = MixedPrecisionAdam(list(ddp.parameters()), lr=job.lr)
+        s, mbs, m = model.seq_length, plan.micro_batch_size, plan.num_microbatches
+        g = torch.Generator().manual_seed(job.seed + parallel_state.get_data_parallel_rank())
+        batches = [torch.randint(0, model.vocab_size, (mbs, s + 1), generator=g) for _ in range(m)]
+        positions = torch.arange(s).unsqueeze(0).expand(mbs, s)
+
+        def forward_step(data: Any, module: Any) -> tuple[Any, Any]:
+            batch = next(data)
+            out = module(batch[:, :-1], positions, None, labels=batch[:, 1:])
+
+            def loss_func(per_token: Any) -> tuple[Any, dict[str, Any]]:
+                loss = per_token.float().mean()
+                return loss, {"lm loss": loss.detach()}
+            return out, loss_func
+
+        # not activations: parameters, the inputs, and the cached tensors every forward reuses
+        # (the causal mask of the CPU shim, RoPE's cos/sin table: both lru-cached, built once)
+        from piper_megatron.cpu import _host_causal_mask
+
+        cached = [_host_causal_mask(s)]
+        rope = getattr(gpt, "rotary_pos_emb", None)
+        if rope is not None:
+            cached.append(rope(s))
+        excluded = {t.untyped_storage().data_ptr() for t in [*gpt.parameters(), positions, *batches, *cached]}
+        steps, losses, peak = [], [], 0
+        for step in range(job.steps):
+            ledger = ActivationPeak(excluded)
+            dist.barrier()
+            start = time.perf_counter()
+            ddp.zero_grad_buffer()
+            with torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack):
+                out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches),
+                                                  model=[ddp], num_microbatches=m, seq_length=s,
+                                                  micro_batch_size=mbs, forward_only=False)
+            optimizer.step()
+            dist.barrier()
+            steps.append(time.perf_counter() - start)
+            peak = max(peak, ledger.peak)
+            if out:
+                losses.append(sum(r["lm loss"].item() for r in out))  # the schedule reports loss / micro-batches
+            if tracer is not None and step == job.warmup - 1:
+                tracer.flush()
+                (trace_dir / f"trace.rank{rank}.jsonl").write_text("")  # phases of the timed steps only
+        if tracer is not None:
+            tracer.close()
+        phases = _phases(trace_dir / f"trace.rank{rank}.jsonl")
+        forward = []
+        for _ in range(job.forward_steps):
+            dist.barrier()
+            start = time.perf_counter()
+            with torch.no_grad():
+                get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[ddp],
+                                            num_microbatches=m, seq_length=s, micro_batch_size=mbs, forward_only=True)
+            dist.barrier()
+            forward.append(time.perf_counter() - start)
+        timed = job.steps - job.warmup
+        per_step = {k: v / timed for k, v in phases.items()}
+        params = sum(p.numel() for p in gpt.parameters())
+        return {"rank": rank, "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+                "ep_rank": parallel_state.get_expert_model_parallel_rank(),
+                "step_s": steps, "step_median_s": _median(steps[job.warmup:]), "losses": losses,
+                "forward_s": forward,
+                "params": params, "param_bytes": sum(p.numel() * p.element_size() for p in gpt.parameters()),
+                "activation_peak_bytes": peak, "moe_phases_ms_per_step": per_step}
+    finally:
+        if patches is not None:
+            patches.restore()
+        parallel_state.destroy_model_parallel()
+
+
+def rank_main(info: Any, job_json: dict[str, Any]) -> dict[str, Any]:
+    """Target for the local / emulated launchers: train ``job_json`` on this rank, report."""
+    import warnings
+
+    warnings.filterwarnings("ignore")  # Megatron warns at import about missing TE/Apex
+    from piper_megatron.cpu import install_cpu_training_shims
+
+    install_cpu_training_shims()
+    job = TrainJob.from_json(job_json)
+    with tempfile.TemporaryDirectory(prefix="piper-train-") as tmp:
+        return _train(job, info.ranks_per_node, Path(tmp))
+
+
+def run(job: TrainJob, *, nodes: int = 1, inter_node_mbit: float | None = None,
+        timeout_s: float = TIMEOUT_S, realtime: bool = False) -> list[dict[str, Any]]:
+    """Train ``job`` on ``job.plan.gpus`` ranks: local (``nodes == 1``) or on an emulated cluster of
+    ``nodes`` nodes (root; links shaped to ``inter_node_mbit``). Every rank's report, in rank order.
+    ``realtime``: ranks under SCHED_FIFO (see :func:`piper_core.emulate.launch.launch`)."""
+    from piper_core.emulate import run_emulated, run_local
+
+    world = job.plan.gpus
+    target = "piper_megatron.train:rank_main"
+    if nodes == 1:
+        return run_local(world, target, [job.to_json()], timeout_s=timeout_s, realtime=realtime)
+    if world % nodes:
+        raise ValueError(f"nodes={nodes}: must divide the plan's gpus ({world})")
+    return run_emulated(nodes, world // nodes, inter_node_mbit, target, [job.to_json()], timeout_s=timeout_s,
+                        realtime=realtime)
+
+
+def summary(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The job's measured figures: step time (median over timed steps of the slowest rank), the
+    largest parameter and activation bytes of any rank, per pipeline stage, the losses."""
+    steps = [max(r["step_s"][i] for r in reports) for i in range(len(reports[0]["step_s"]))]
+    stages: dict[int, dict[str, int]] = {}
+    for r in reports:
+        st = stages.setdefault(r["pp_rank"], {"params": 0, "param_bytes": 0, "activation_peak_bytes": 0})
+        for k in st:
+            st[k] = max(st[k], r[k])
+    losses = next((r["losses"] for r in reports if r["losses"]), [])
+    return {"step_s": steps, "stages": [stages[k] for k in sorted(stages)], "losses": losses,
+            "moe_phases_ms_per_step": reports[0]["moe_phases_ms_per_step"]}
+
+
+# ---- command line ---------------------------------------------------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from piper_core.cli.parse import parse_parallel
+    from piper_core.presets import load_model
+
+    p = argparse.ArgumentParser(prog="python -m piper_megatron.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny-moe", help="model preset or ModelSpec YAML (default tiny-moe)")
+    p.add_argument("--ranks", type=int, default=2, help="local CPU ranks (default 2)")
+    p.add_argument("--parallel", default="", help='plan, e.g. "ep=2,mbs=2,gbs=4" (piper predict syntax)')
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--stock", action="store_true", help="Megatron's own token dispatcher")
+    p.add_argument("--json", action="store_true", help="print every rank's report as JSON")
+    a = p.parse_args(argv)
+    model = load_model(a.model)
+    plan = parse_parallel(a.parallel, gpus=a.ranks)
+    reports = run(TrainJob(model=model, plan=plan, steps=a.steps, stock=a.stock))
+    if a.json:
+        print(json.dumps(reports, indent=1))
+    else:
+        s = summary(reports)
+        print(f"step times (s): {', '.join(f'{x:.3f}' for x in s['step_s'])}; losses: "
+              f"{', '.join(f'{x:.3f}' for x in s['losses'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

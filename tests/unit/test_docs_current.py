@@ -1,0 +1,37 @@
+"""Every command output quoted in README.md and docs/megatron.md (``<!-- run: CMD -->`` blocks) is what CMD prints today,
+up to the search's time and rate: a model change that moves a figure makes the quote stale and this
+test red until ``python docs/refresh.py`` rewrites it."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _refresh():
+    spec = importlib.util.spec_from_file_location("docs_refresh", ROOT / "docs" / "refresh.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["README.md", "docs/megatron.md"])
+def test_quoted_outputs_are_current(name):
+    refresh = _refresh()
+    assert name in refresh.FILES
+    text = (ROOT / name).read_text()
+    assert len(refresh.MARK.findall(text)) >= 2, f"{name} lost its quoted command outputs"
+    stale = refresh.stale(text)
+    assert not stale, "\n".join(f"stale: {cmd}\n--- quoted\n{quoted}--- now\n{now}" for cmd, quoted, now in stale)
+
+
+def test_masking_hides_only_the_search_time():
+    refresh = _refresh()
+    a = "searched 1,234 plans in 0.52 s (2,373 plans/s): 9 feasible"
+    b = "searched 1,234 plans in 0.61 s (2,023 plans/s): 9 feasible"
+    assert refresh.mask(a) == refresh.mask(b)
+    assert refresh.mask(a) != refresh.mask(a.replace("1,234", "1,235"))
