@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from piper_core.calibrate.run import OVERHEAD_FIELDS
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
@@ -61,8 +62,7 @@ def probe_label(layers: int, experts: int | None, m: int, mbs: int, spread: bool
     return f"{'dense' if experts is None else f'moe{experts}'}-L{layers}-m{m}-mbs{mbs}" + ("-epall" if spread else "")
 
 
-FIELDS = ("layer_overhead_us", "moe_overhead_us", "expert_overhead_us", "backward_overhead_factor",
-          "microbatch_overhead_us", "step_overhead_us")
+FIELDS = OVERHEAD_FIELDS  # the host terms of AcceleratorSpec this probe fits
 
 
 def probe_model(layers: int, experts: int | None) -> ModelSpec:
