@@ -64,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "busy machine")
     a = p.parse_args(argv)
     start = time.perf_counter()
+    if a.realtime:
+        from piper_core.emulate.launch import check_realtime
+        check_realtime()
     topology = f"local-{a.ranks}"
     profiles_for([topology], a.profiles, recalibrate=False, quick=True, realtime=a.realtime)
     profile = a.profiles / f"{topology}.yaml"

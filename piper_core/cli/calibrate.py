@@ -99,6 +99,9 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
     if timeout <= 0:
         raise SpecError("--timeout-per-bench", timeout, "must be > 0", "give seconds, e.g. 60")
     load_cluster(args.base)  # fail now, not after the benchmarks
+    if args.realtime:
+        from piper_core.emulate.launch import check_realtime
+        check_realtime()  # likewise: not one failed benchmark per step
     command = "piper " + shlex.join(argv if argv is not None else sys.argv[1:])
     return CalibrateOptions(out=args.out, topology=topology_from_args(args), base=args.base, quick=args.quick,
                             cache=args.cache, timeout_per_bench_s=timeout, command=command)

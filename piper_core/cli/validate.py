@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
         for c in cases:
             print(f"{c.name:<20} {c.topology:<18} {c.model.name:<18} {plan_label(c.plan, gbs=True)}")
         return 0
+    if args.realtime:
+        from piper_core.emulate.launch import check_realtime
+        check_realtime()  # before any calibration or run
     topologies = sorted({c.topology for c in cases})
     steps = args.steps or STEPS
     progress = Progress("piper validate")

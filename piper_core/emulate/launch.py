@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from piper_core.emulate.netns import NODE_IFNAME, EmulatedCluster, EmulationError
+from piper_core.errors import SpecError
 
 STORE_PORTS = range(20000, 30000)
 """TCP store port on node 0, drawn per run (node 0's namespace is private to the cluster, so no
@@ -77,8 +78,8 @@ def check_realtime() -> None:
         os.sched_setscheduler(0, os.SCHED_FIFO, param)
         os.sched_setscheduler(0, old_policy, old_param)
     except (PermissionError, AttributeError, OSError) as exc:
-        raise ValueError(f"realtime=True: the ranks cannot run under SCHED_FIFO here ({exc}); run as root (or with "
-                         "CAP_SYS_NICE), or measure without --realtime") from None
+        raise SpecError("--realtime", True, f"the ranks cannot run under SCHED_FIFO here ({exc})",
+                        "run as root (or with CAP_SYS_NICE), or measure without --realtime") from None
 
 
 def _free_port() -> int:

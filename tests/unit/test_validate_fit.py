@@ -78,3 +78,23 @@ def test_the_case_list_meets_the_issue():
     assert all(c.excluded for c in CASES if c.plan.gpus == 4)
     assert [c.name for c in select(None, quick=True)] == list(QUICK)
     assert all(c.excluded is None for c in select(None, quick=True))
+
+
+@pytest.mark.parametrize("command", ["validate", "calibrate"])
+def test_realtime_without_the_right_is_a_clear_error(monkeypatch, capsys, tmp_path, command):
+    """`--realtime` where SCHED_FIFO is not allowed: exit 2 naming the flag and the fix, before
+    anything is launched, calibrated or written."""
+    import os
+
+    from piper_core.cli.main import main
+
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "sched_setscheduler", refuse)
+    argv = {"validate": ["validate", "--quick", "--realtime", "--profiles", str(tmp_path / "profiles")],
+            "calibrate": ["calibrate", "--out", str(tmp_path / "p.yaml"), "--quick", "--realtime"]}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--realtime=True" in err and "SCHED_FIFO" in err and "without --realtime" in err
+    assert not any(tmp_path.iterdir())
