@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -248,10 +247,9 @@ def _spawned(local_rank: int, world: int, port: int, args: TrainArgs) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args, spawn = parse(argv)
     if spawn:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        torch.multiprocessing.spawn(_spawned, args=(spawn, port, args), nprocs=spawn, join=True)
+        from piper_core.emulate.launch import free_port
+
+        torch.multiprocessing.spawn(_spawned, args=(spawn, free_port(), args), nprocs=spawn, join=True)
     else:
         _run_rank(args)
     return 0

@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from piper_core.calibrate.fit import quality
 from piper_core.calibrate.run import OVERHEAD_FIELDS
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
@@ -204,13 +205,5 @@ def fit_overheads(cluster: ClusterSpec, probe_results: list[dict[str, Any]]) -> 
         predicted.append(p)
         points.append({"label": run["label"], "measured_s": round(step, 6), "predicted_s": round(p, 6),
                        "forward_measured_s": round(fwd, 6), "forward_predicted_s": round(pf, 6)})
-    return fields, {"runs": points, **quality(measured, predicted)}
+    return fields, {"runs": points, **quality(measured, predicted).as_dict()}
 
-
-def quality(measured: list[float], predicted: list[float]) -> dict[str, float]:
-    """R^2 of ``predicted`` against ``measured`` and the largest relative residual."""
-    mean = sum(measured) / len(measured)
-    ss_tot = sum((y - mean) ** 2 for y in measured)
-    ss_res = sum((y - p) ** 2 for y, p in zip(measured, predicted))
-    return {"r2": round(1 - ss_res / ss_tot, 4) if ss_tot > 0 else 1.0,
-            "max_rel_residual": round(max(abs(p - y) / y for y, p in zip(measured, predicted)), 4)}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -22,15 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from piper_core.emulate.launch import free_port
+
 
 class RankError(RuntimeError):
     """A rank raised, died without reporting, or did not finish in time."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, timeout_s: float, out: Any,
@@ -67,7 +62,7 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout_s: fl
     what = f"{getattr(fn, '__qualname__', fn)} on {world_size} gloo ranks"
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, timeout_s, out, fn, args), daemon=True)
              for r in range(world_size)]
     results: dict[int, Any] = {}

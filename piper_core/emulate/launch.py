@@ -82,7 +82,8 @@ def check_realtime() -> None:
                         "run as root (or with CAP_SYS_NICE), or measure without --realtime") from None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a store or rendezvous on this host)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -157,7 +158,7 @@ def launch(cluster: EmulatedCluster | LocalCluster, target: str, args: Sequence[
     kind = "local" if local else "emulated"
     what = f"{target} on {len(cluster.nodes)}x{cluster.ranks_per_node} {kind} ranks"
     work = Path(tempfile.mkdtemp(prefix="piperemu-run-"))
-    port = _free_port() if local else STORE_PORTS[secrets.randbelow(len(STORE_PORTS))]
+    port = free_port() if local else STORE_PORTS[secrets.randbelow(len(STORE_PORTS))]
     try:
         if realtime:
             check_realtime()
