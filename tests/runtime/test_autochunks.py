@@ -4,7 +4,7 @@
 * on 2 gloo processes, ``plan_dispatch(chunks=auto)`` hands out each candidate ``trials`` times,
   ``moe_alltoall`` times those layers, and the next call decides on the slowest rank's times, the
   same on every rank; experts whose sleep depends on the chunk size make the answer known in
-  advance (2 chunks fastest on both ranks; 1 chunk once rank 1 is slow at 2 chunks);
+  advance (2 chunks fastest on both ranks; 1 chunk once rank 1 is slow at 2 chunks; gaps of >= 0.1 s, so load cannot reorder them);
 * the decision's all-reduce has a timeout: a rank that skips it gets an error naming it;
 * the layer's outputs and gradients are those of the fixed chunk count it ran with.
 """
@@ -65,10 +65,11 @@ def _tune(rank: int, world: int, slow_rank1_at_2: bool) -> dict[str, object]:
     counts = torch.full((world, 2 * world), TOKENS_PER_EXPERT)
     rows = int(counts[rank].sum())
     received = TOKENS_PER_EXPERT * world * 2
-    # 1 chunk: 0.06 s; 2 chunks: 2 x 0.01 s; 4 chunks: 4 x 0.02 s
-    delay = {received: 0.06, received // 2: 0.01, received // 4: 0.02}
+    # 1 chunk: 0.15 s; 2 chunks: 2 x 0.01 s; 4 chunks: 4 x 0.1 s. The gaps (>= 0.13 s a layer) are
+    # far above what a loaded machine adds to a layer (up to 0.05 s seen in CI with gaps of 0.02 s)
+    delay = {received: 0.15, received // 2: 0.01, received // 4: 0.1}
     if slow_rank1_at_2 and rank == 1:
-        delay[received // 2] = 0.04  # 2 chunks: 0.08 s on rank 1, slower than 1 chunk
+        delay[received // 2] = 0.15  # 2 chunks: 0.30 s on rank 1, slower than 1 chunk
     auto = AutoChunks(comm, candidates=(1, 2, 4), trials=3)  # the median of 3 ignores a first, slow step
     experts = SleepyExperts(delay)
     handed, tuned, outputs_ok = [], [], True
@@ -104,8 +105,8 @@ def test_auto_chunks_measures_each_candidate_then_agrees_on_the_fastest(two_rank
         assert r["chosen"] == want and r["ok"], rank
     assert results[0]["medians"] == results[1]["medians"]  # the slowest rank's times, on both
     med = results[0]["medians"]
-    assert 0.055 < med[1] < med[4] and 0.075 < med[4]  # sleeps are lower bounds; the order is by design
-    assert (0.075 < med[2] and med[1] < med[2]) if slow_rank1_at_2 else (0.018 < med[2] < 0.6 * med[1])
+    assert 0.145 < med[1] < med[4] and 0.39 < med[4]  # sleeps are lower bounds; the order is by design
+    assert (0.29 < med[2] and med[1] < med[2]) if slow_rank1_at_2 else (0.018 < med[2] < 0.6 * med[1])
 
 
 def _skip_decision(rank: int, world: int) -> str:
