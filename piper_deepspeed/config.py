@@ -16,7 +16,9 @@ Keys (the block ``piper plan --export-deepspeed`` writes loads unchanged; ``pipe
       "model": "switch-1t",         # model preset, ModelSpec YAML path or ModelSpec mapping; optional
                                     # when the model was built by piper_deepspeed.builder
       "a2a": "auto",                # auto | flat | hierarchical | pipelined
-      "chunks": "auto",             # pipeline chunks of the pipelined all-to-all: int >= 2 | auto
+      "chunks": "auto",             # pipeline chunks of the pipelined all-to-all: int >= 2 | auto |
+                                    # tune (each MoE layer measures 1/2/4/8 chunks, 3 steps each, then
+                                    # keeps the fastest; the plan is searched among pipelined ones)
       "memory_headroom": 0.0,       # fraction of usable GPU memory the plan keeps free, in [0, 1)
       "plan_only": false,           # true: rank 0 prints the plan, then PlanOnly (SystemExit 0)
       "trace": null,                # directory: per-rank JSON lines of the all-to-all schedule, plan.json
@@ -74,7 +76,7 @@ class PiperConfig(DeepSpeedConfigModel):
     cluster: str | None = None
     profile: str | None = None
     a2a: A2AChoice = "auto"
-    chunks: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
+    chunks: Annotated[int, Field(ge=1)] | Literal["auto", "tune"] = "auto"
     memory_headroom: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     plan_only: bool = False
     trace: str | None = None
@@ -108,15 +110,18 @@ class PiperConfig(DeepSpeedConfigModel):
         if isinstance(self.chunks, int) and self.a2a in ("flat", "hierarchical") and self.chunks != 1:
             raise SpecError("piper.chunks", self.chunks, f'pipeline chunks apply only to a2a "pipelined" '
                             f'(a2a is "{self.a2a}")', 'set "a2a": "pipelined" or remove "chunks"')
+        if self.chunks == "tune" and self.a2a in ("flat", "hierarchical"):
+            raise SpecError("piper.chunks", "tune", f'tuning measures the pipelined all-to-all\'s chunk count, and a2a '
+                            f'"{self.a2a}" is unpipelined', 'set "a2a": "pipelined" (or "auto") or remove "chunks"')
         if self.a2a == "pipelined" and self.chunks == 1:
             raise SpecError("piper.chunks", 1, 'a2a "pipelined" needs chunks >= 2 (one chunk is the flat '
                             "all-to-all)", 'set chunks to 2, 4, 8 or "auto", or "a2a": "flat"')
 
     def a2a_choices(self) -> tuple[tuple[str, int], ...]:
         """(a2a, chunks) variants the scheduler may pick from, as ``SearchSpace.a2a``."""
-        chunks = AUTO_CHUNKS if self.chunks == "auto" else (self.chunks,)
+        chunks = AUTO_CHUNKS if self.chunks in ("auto", "tune") else (self.chunks,)
         pipelined = tuple(("pipelined", c) for c in chunks if c >= 2)
-        if self.a2a == "auto":
+        if self.a2a == "auto" and self.chunks != "tune":
             return (("flat", 1), ("hierarchical", 1)) + pipelined
         return pipelined if self.a2a == "pipelined" else ((self.a2a, 1),)
 
@@ -170,7 +175,7 @@ _RULES: dict[str, tuple[str, str]] = {
     "profile": ("must be the path of a profile written by piper calibrate, or null",
                 'write e.g. "profile": "me.yaml", or remove the key'),
     "a2a": ("must be one of auto, flat, hierarchical, pipelined", 'write e.g. "a2a": "pipelined"'),
-    "chunks": ('must be an int >= 1 or "auto"', 'write e.g. "chunks": 4 or "chunks": "auto"'),
+    "chunks": ('must be an int >= 1, "auto" or "tune"', 'write e.g. "chunks": 4, "chunks": "auto" or "chunks": "tune"'),
     "memory_headroom": ("must be a number in [0, 1): the fraction of usable GPU memory kept free",
                         'write e.g. "memory_headroom": 0.1'),
     "plan_only": ("must be true or false", "write true or false"),

@@ -46,6 +46,7 @@ from piper_core.export import deepspeed_compatible
 from piper_core.resource.memory import GIB
 from piper_core.resource.predict import Prediction, predict, to_json
 from piper_core.runtime import NodeTopology
+from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS
 from piper_core.scheduler.search import SearchResult, best_predictions, search
 from piper_core.scheduler.space import SearchSpace, default_space
 from piper_core.specs.cluster import ClusterSpec
@@ -235,7 +236,7 @@ def rewrite_config(config: Mapping[str, Any], choice: PlanChoice) -> tuple[dict[
         put(new["pipeline"], "stages", "pipeline.stages", plan.pp)
     p = choice.prediction
     new[BLOCK] = dict(new[BLOCK]) | {
-        "a2a": plan.a2a, "chunks": plan.a2a_chunks,
+        "a2a": plan.a2a, "chunks": "tune" if new[BLOCK].get("chunks") == "tune" and plan.a2a == "pipelined" else plan.a2a_chunks,
         "plan": {"tp": plan.tp, "pp": plan.pp, "ep": plan.ep, "etp": plan.etp_size, "cp": plan.cp,
                  "vpp": plan.virtual_stages, "mbs": plan.micro_batch_size, "recompute": plan.recompute},
         "predicted": {"mfu": p.rate.mfu, "step_s": p.time.step, "peak_memory_gib": round(p.peak_stage.total / GIB, 4)}}
@@ -265,8 +266,12 @@ def report(choice: PlanChoice, changes: list[Change], config: Mapping[str, Any],
                  + f" (train_batch_size {choice.global_batch} = {plan.micro_batch_size} x "
                  f"{plan.num_microbatches} x {plan.dp} ranks)")
     if plan.ep > 1:
+        tuned = (config.get(BLOCK) or {}).get("chunks") == "tune"
+        chunks = f"{plan.a2a_chunks} chunks" if not tuned else (
+            f"a chunk count measured per layer at run time ({'/'.join(map(str, ADAPTER_CANDIDATES))} chunks, "
+            f"{ADAPTER_TRIALS} steps each, then the fastest; planned with {plan.a2a_chunks})")
         how = {"flat": "flat", "hierarchical": "hierarchical (intra-node stage, then inter-node)",
-               "pipelined": f"pipelined: flat exchanges in {plan.a2a_chunks} chunks overlapping the experts"}
+               "pipelined": f"pipelined: flat exchanges in {chunks} overlapping the experts"}
         lines.append(f"piper: {p.model.num_moe_layers} MoE layers with ep_size {plan.ep} run Piper's all-to-all, "
                      f"{how[plan.a2a]}")
     else:
@@ -351,7 +356,8 @@ def initialize(args: Any = None, model: torch.nn.Module = None, optimizer: Any =
     plan = choice.plan
     if plan.ep > 1:
         tracer = Tracer(Path(block.trace) / f"a2a-rank{rank}.jsonl") if block.trace else None
-        swap_moe_layers(model, A2ASettings.from_plan(plan.a2a, plan.a2a_chunks), tracer=tracer)
+        swap_moe_layers(model, A2ASettings.from_plan(plan.a2a, plan.a2a_chunks, tune=block.chunks == "tune"),
+                        tracer=tracer)
     passthrough |= dict(args=_without_config(args), config=rewritten, config_params=None)
     result = deepspeed.initialize(**passthrough)
     if plan.ep > 1:

@@ -48,8 +48,9 @@ from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from piper_core.errors import SpecError
-from piper_core.runtime import A2AComm, Algorithm, NodeTopology, ScheduleEvent, create_comm, exchange_counts
+from piper_core.runtime import A2AComm, Algorithm, AutoChunks, NodeTopology, ScheduleEvent, create_comm, exchange_counts
 from piper_core.runtime import moe_alltoall, plan_dispatch
+from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS
 
 # Deadline of each wait of Piper's all-to-all (piper_core.runtime.timeouts). A training step can
 # legitimately stall a peer for a while (checkpointing, a first-step compile), so the runtime's
@@ -60,23 +61,32 @@ A2A_TIMEOUT = timedelta(minutes=10)
 @dataclass(frozen=True, kw_only=True, slots=True)
 class A2ASettings:
     """How a layer exchanges tokens: ``algorithm`` for each exchange, ``chunks`` pipeline chunks
-    (1: the unpipelined path). The plan's ``pipelined`` all-to-all is FLAT in ``chunks >= 2``."""
+    (1: the unpipelined path). The plan's ``pipelined`` all-to-all is FLAT in ``chunks >= 2``.
+    ``tune``: each layer measures its chunk count at run time (an :class:`AutoChunks` over
+    :data:`ADAPTER_CANDIDATES`, made by :func:`attach_comm`); ``chunks`` is what the plan assumed."""
 
     algorithm: Algorithm
     chunks: int
+    tune: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
             raise SpecError("chunks", self.chunks, "must be an int >= 1", "use 1 for the unpipelined all-to-all")
 
     @classmethod
-    def from_plan(cls, a2a: str, chunks: int) -> A2ASettings:
+    def from_plan(cls, a2a: str, chunks: int, *, tune: bool = False) -> A2ASettings:
         """``ParallelPlan.a2a``/``a2a_chunks`` -> settings (timing/layer.py times "pipelined" as flat
         exchanges in chunks, so that is what runs)."""
+        if tune and a2a != "pipelined":
+            raise SpecError("piper.chunks", "tune", f"tuning measures pipelined chunk counts; the plan's all-to-all "
+                            f"is {a2a}", 'plan with "a2a": "pipelined", or give a chunk count')
         algorithm = Algorithm.HIERARCHICAL if a2a == "hierarchical" else Algorithm.FLAT
-        return cls(algorithm=algorithm, chunks=chunks if a2a == "pipelined" else 1)
+        return cls(algorithm=algorithm, chunks=chunks if a2a == "pipelined" else 1, tune=tune)
 
     def label(self) -> str:
+        if self.tune:
+            return (f"{self.algorithm.value}, chunk count measured per layer at run time "
+                    f"({'/'.join(map(str, ADAPTER_CANDIDATES))} chunks, {ADAPTER_TRIALS} steps each)")
         return self.algorithm.value + (f" in {self.chunks} pipelined chunks" if self.chunks > 1 else "")
 
 
@@ -138,6 +148,7 @@ class PiperMOELayer(MOELayer):
     piper_comm: A2AComm | None = None
     piper_tracer: Tracer | None = None
     piper_name: str = ""
+    piper_auto: AutoChunks | None = None  # this layer's chunk-count tuner (settings.tune), made with the comm
 
     def configure(self, settings: A2ASettings, *, comm: A2AComm | None = None, tracer: Tracer | None = None,
                   name: str = "") -> None:
@@ -172,7 +183,8 @@ class PiperMOELayer(MOELayer):
         routes = Routes.from_gate(indices, locations, num_experts, int(capacity))
         counts = exchange_counts(routes.tokens_per_expert, comm=self.piper_comm)
         meta = plan_dispatch(counts, comm=self.piper_comm, algorithm=self.piper_a2a.algorithm,
-                             chunks=self.piper_a2a.chunks, device=tokens.device)
+                             chunks=self.piper_a2a.chunks if self.piper_auto is None else self.piper_auto,
+                             device=tokens.device)
         on_event = None
         if self.piper_tracer is not None:
             tracer, name = self.piper_tracer, self.piper_name
@@ -291,6 +303,8 @@ def attach_comm(model: torch.nn.Module, topology: NodeTopology, *, timeout: time
     comm = create_comm(topology, parents=sorted({tuple(g) for g in gathered}), timeout=timeout)
     for layer in layers:
         layer.piper_comm = comm
+        tune = layer.piper_a2a is not None and layer.piper_a2a.tune
+        layer.piper_auto = AutoChunks(comm, candidates=ADAPTER_CANDIDATES, trials=ADAPTER_TRIALS) if tune else None
     return comm
 
 

@@ -72,6 +72,9 @@ class Run:
     plan: ParallelPlan | None = None
     engine_config: dict[str, Any] | None = None
     moe_classes: list[str] = field(default_factory=list)  # the engine's MoE layers, by class name
+    # "chunks": "tune": per MoE layer (engine order), the chunk count it chose (None: still measuring)
+    # and the slowest rank's median layer time per candidate (s)
+    tuned: list[tuple[int | None, dict[int, float] | None]] = field(default_factory=list)
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -184,6 +187,11 @@ def train(args: TrainArgs) -> Run:
         run.steps.append(log)
         if rank == 0:
             _log(args, log)
+    tuners = [m.piper_auto for m in engine.moe_layers if getattr(m, "piper_auto", None) is not None]
+    run.tuned = [(t.chosen, t.medians_s) for t in tuners]
+    if rank == 0 and tuners and not args.quiet:
+        chosen = ", ".join("still measuring" if c is None else f"x{c}" for c, _ in run.tuned)
+        print(f"piper: chunk counts measured per MoE layer: {chosen}", flush=True)
     return run
 
 

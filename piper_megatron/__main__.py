@@ -24,7 +24,7 @@ from pathlib import Path
 from piper_core.errors import Infeasible, SpecError
 
 USAGE = ("usage: python -m piper_megatron SCRIPT [Megatron arguments] --piper --piper-cluster NAME|YAML\n"
-         "       [--piper-profile YAML] [--piper-a2a auto|flat|hierarchical|pipelined] [--piper-chunks N|auto]\n"
+         "       [--piper-profile YAML] [--piper-a2a auto|flat|hierarchical|pipelined] [--piper-chunks N|auto|tune]\n"
          "       [--piper-plan-only [--piper-world-size N]] [--piper-trace FILE]")
 
 

@@ -38,26 +38,32 @@ GPT2_BPE_VOCAB = 50257  # len(encoder) of GPT-2's vocab.json (Megatron _GPT2BPET
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PiperOptions:
-    """Piper's flags, checked. ``chunks`` None means auto (the scheduler picks); ``world_size``
-    (``--piper-world-size``) stands in for the launcher's WORLD_SIZE in plan-only runs."""
+    """Piper's flags, checked. ``chunks`` None means auto (the scheduler picks); ``tune``
+    (``--piper-chunks tune``): the scheduler plans a pipelined all-to-all and each MoE layer measures
+    its chunk count at run time; ``world_size`` (``--piper-world-size``) stands in for the launcher's
+    WORLD_SIZE in plan-only runs."""
 
     enabled: bool
     cluster: str | None = None
     profile: Path | None = None
     a2a: A2AFlag = "auto"
     chunks: int | None = None
+    tune: bool = False
     plan_only: bool = False
     trace: Path | None = None
     world_size: int | None = None
 
 
-def _chunks(text: str) -> int | None:
+def _chunks(text: str) -> int | str | None:
     if text == "auto":
         return None
+    if text == "tune":
+        return text
     try:
         return _positive(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"--piper-chunks {text!r}: give 'auto' or a whole number >= 1") from None
+        raise argparse.ArgumentTypeError(f"--piper-chunks {text!r}: give 'auto', 'tune' or a whole number >= 1") \
+            from None
 
 
 def _positive(text: str) -> int:
@@ -81,8 +87,9 @@ def add_piper_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="calibrated profile written by `piper calibrate` (instead of --piper-cluster)")
     group.add_argument("--piper-a2a", choices=A2A_FLAGS, default="auto",
                        help="MoE all-to-all: auto (the scheduler picks), flat, hierarchical or pipelined")
-    group.add_argument("--piper-chunks", type=_chunks, default=None, metavar="N|auto",
-                       help="chunks of the pipelined all-to-all (default auto)")
+    group.add_argument("--piper-chunks", type=_chunks, default=None, metavar="N|auto|tune",
+                       help="chunks of the pipelined all-to-all: N, auto (the scheduler picks; default) or tune "
+                            "(each MoE layer measures 1/2/4/8 chunks for 3 steps each, then keeps the fastest)")
     group.add_argument("--piper-plan-only", action="store_true", help="print the plan and exit")
     group.add_argument("--piper-trace", type=Path, metavar="FILE",
                        help="write per-layer, per-rank dispatch/expert/combine times as JSON lines")
@@ -93,13 +100,15 @@ def add_piper_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 def piper_options(ns: argparse.Namespace) -> PiperOptions:
     """:class:`PiperOptions` from a namespace holding Piper's flags (SpecError on a bad mix)."""
-    chunks = getattr(ns, "piper_chunks", None)
+    given_chunks = getattr(ns, "piper_chunks", None)
+    tune = given_chunks == "tune"
+    chunks = None if tune else given_chunks
     options = PiperOptions(enabled=bool(getattr(ns, "piper", False)), cluster=getattr(ns, "piper_cluster", None),
                            profile=getattr(ns, "piper_profile", None), a2a=getattr(ns, "piper_a2a", "auto"),
-                           chunks=chunks, plan_only=bool(getattr(ns, "piper_plan_only", False)),
+                           chunks=chunks, tune=tune, plan_only=bool(getattr(ns, "piper_plan_only", False)),
                            trace=getattr(ns, "piper_trace", None), world_size=getattr(ns, "piper_world_size", None))
     given = [flag for flag, on in (("--piper-cluster", options.cluster), ("--piper-profile", options.profile),
-                                   ("--piper-a2a", options.a2a != "auto"), ("--piper-chunks", chunks),
+                                   ("--piper-a2a", options.a2a != "auto"), ("--piper-chunks", given_chunks),
                                    ("--piper-plan-only", options.plan_only), ("--piper-trace", options.trace),
                                    ("--piper-world-size", options.world_size)) if on]
     if given and not options.enabled:
@@ -111,6 +120,10 @@ def piper_options(ns: argparse.Namespace) -> PiperOptions:
     if chunks is not None and chunks > 1 and options.a2a in ("flat", "hierarchical"):
         raise SpecError("--piper-chunks", chunks, f"chunks apply to the pipelined all-to-all, not --piper-a2a "
                         f"{options.a2a}", "use --piper-a2a pipelined (or auto), or --piper-chunks 1")
+    if tune and options.a2a in ("flat", "hierarchical"):
+        raise SpecError("--piper-chunks", "tune", f"tuning measures the pipelined all-to-all's chunk count, and "
+                        f"--piper-a2a {options.a2a} is unpipelined", "use --piper-a2a pipelined (or auto) with "
+                        "--piper-chunks tune, or drop --piper-chunks")
     if options.world_size is not None and not options.plan_only:
         raise SpecError("--piper-world-size", options.world_size, "stands in for the launcher only when "
                         "planning (--piper-plan-only); a real run takes its world size from the launcher",
@@ -374,6 +387,7 @@ class Pins:
     given: tuple[tuple[str, Any], ...]
     a2a: A2AFlag = "auto"
     chunks: int | None = None
+    tune: bool = False
 
     @property
     def values(self) -> dict[str, Any]:
@@ -385,6 +399,7 @@ class Pins:
         parts = [flags[d] if v is True else f"{flags[d]} {v}" for d, v in self.given]
         parts += [f"--piper-a2a {self.a2a}"] if self.a2a != "auto" else []
         parts += [f"--piper-chunks {self.chunks}"] if self.chunks is not None else []
+        parts += ["--piper-chunks tune"] if self.tune else []
         return ", ".join(parts) or "none"
 
 
@@ -409,11 +424,15 @@ def pins_from(argv: Sequence[str], options: PiperOptions) -> Pins:
         raise SpecError("--expert-tensor-parallel-size", etp, "Piper's token dispatcher runs with expert "
                         "tensor parallel size 1 (experts whole on each expert-parallel rank)",
                         "drop the flag or set it to 1, or run without --piper")
-    return Pins(given=tuple(sorted(given.items())), a2a=options.a2a, chunks=options.chunks)
+    if options.tune and given.get("recompute_granularity") == "full":
+        raise SpecError("--piper-chunks", "tune", "full recompute runs each MoE layer's forward twice, and a layer "
+                        "still tuning would run the two with different chunk counts", "give a chunk count "
+                        "(--piper-chunks N or auto), or drop --recompute-granularity full")
+    return Pins(given=tuple(sorted(given.items())), a2a=options.a2a, chunks=options.chunks, tune=options.tune)
 
 
 def _a2a_choices(pins: Pins) -> tuple[tuple[str, int], ...]:
-    if pins.a2a == "pipelined":
+    if pins.a2a == "pipelined" or pins.tune:
         chunks = (pins.chunks,) if pins.chunks else tuple(c for a, c in A2A_CHOICES if a == "pipelined")
         return tuple(("pipelined", c) for c in chunks)
     if pins.a2a != "auto":
@@ -434,10 +453,13 @@ def restrict(space: SearchSpace, pins: Pins) -> SearchSpace:
                       ("micro_batch_size", "mbs"), ("num_virtual_stages_per_pipeline_rank", "vpp")):
         if dest in v:
             out[dim] = (v[dest],)
-    if pins.a2a != "auto" or (pins.chunks or 1) > 1:  # a chosen all-to-all needs expert parallelism
+    if pins.tune:  # a layer still tuning must not run its forward twice (recompute) with two chunk counts
+        out["recompute"] = tuple(r for r in space.recompute if r != "full")
+    if pins.a2a != "auto" or (pins.chunks or 1) > 1 or pins.tune:  # a chosen all-to-all needs expert parallelism
         out["ep"] = tuple(e for e in out.get("ep", space.ep) if e > 1)
         if not out["ep"]:
-            raise SpecError("--piper-a2a/--piper-chunks", f"{pins.a2a}/{pins.chunks or 'auto'}", "choose the "
+            raise SpecError("--piper-a2a/--piper-chunks", f"{pins.a2a}/{'tune' if pins.tune else pins.chunks or 'auto'}",
+                            "choose the "
                             "expert all-to-all, which needs expert parallelism (ep > 1; the model has no experts or "
                             "ep is pinned to 1)", "drop --piper-a2a/--piper-chunks or pin ep > 1")
     if v.get("sequence_parallel") and "tensor_model_parallel_size" not in v:

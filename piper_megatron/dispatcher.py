@@ -46,6 +46,7 @@ from piper_core.errors import SpecError
 from piper_core.runtime import (
     A2AComm,
     Algorithm,
+    AutoChunks,
     DispatchMeta,
     NodeTopology,
     ScheduleEvent,
@@ -55,33 +56,47 @@ from piper_core.runtime import (
     moe_alltoall,
     plan_dispatch,
 )
+from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS
 from piper_megatron.trace import LayerRecord, Tracer
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DispatchSettings:
-    """How the MoE all-to-all runs: ``algorithm`` per exchange, in ``chunks`` (> 1: pipelined)."""
+    """How the MoE all-to-all runs: ``algorithm`` per exchange, in ``chunks`` (> 1: pipelined).
+
+    ``tune``: each MoE layer measures its chunk count at run time (an :class:`AutoChunks` over
+    :data:`ADAPTER_CANDIDATES`, :data:`ADAPTER_TRIALS` steps each); ``chunks`` is then only the
+    count the plan assumed. Every layer runs the fused path, one chunk included."""
 
     algorithm: Algorithm = Algorithm.FLAT
     chunks: int = 1
+    tune: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, int) or self.chunks < 1:
             raise SpecError("chunks", self.chunks, "must be an int >= 1", "use 1 for the unpipelined exchange")
 
     @classmethod
-    def from_plan(cls, a2a: str, chunks: int) -> DispatchSettings:
+    def from_plan(cls, a2a: str, chunks: int, *, tune: bool = False) -> DispatchSettings:
         """A ParallelPlan's ``a2a``/``a2a_chunks``: pipelined chunks run flat exchanges, as the
         step-time model prices them (piper_core/timing/layer.py ``_a2a_one_way``)."""
         if a2a == "pipelined":
-            return cls(algorithm=Algorithm.FLAT, chunks=chunks)
+            return cls(algorithm=Algorithm.FLAT, chunks=chunks, tune=tune)
+        if tune:
+            raise SpecError("chunks", "tune", f"tuning measures pipelined chunk counts; the plan's all-to-all is "
+                            f"{a2a}", "plan with the pipelined all-to-all, or give a chunk count")
         return cls(algorithm=Algorithm(a2a), chunks=1)
 
     @property
     def pipelined(self) -> bool:
-        return self.chunks > 1
+        """True where dispatch, experts and combine run fused in ``moe_alltoall``."""
+        return self.tune or self.chunks > 1
 
     def describe(self) -> str:
+        if self.tune:
+            return (f"Piper pipelined all-to-all: chunk count measured per MoE layer at run time "
+                    f"({'/'.join(map(str, ADAPTER_CANDIDATES))} chunks of {self.algorithm.value} exchanges, "
+                    f"{ADAPTER_TRIALS} steps each, then the fastest; the plan assumed {self.chunks})")
         if self.pipelined:
             return (f"Piper pipelined all-to-all: {self.chunks} chunks of {self.algorithm.value} exchanges, chunk "
                     "k+1's exchange overlapping chunk k's experts")
@@ -129,6 +144,8 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._check(binding, config)
         self._meta: DispatchMeta | None = None
         self._record: LayerRecord | None = None
+        self.auto_chunks = AutoChunks(binding.comm, candidates=ADAPTER_CANDIDATES, trials=ADAPTER_TRIALS) \
+            if binding.settings.tune else None  # this layer's own tuner, kept across steps
 
     def _check(self, binding: _Binding, config: Any) -> None:
         ranks = tuple(dist.get_process_group_ranks(self.ep_group))
@@ -161,7 +178,8 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
         else:
             counts = exchange_counts(routing_map.sum(dim=0).long(), comm=comm)
             tokens_per_expert = self._megatron_metadata(counts, routing_map)
-        self._meta = plan_dispatch(counts, comm=comm, algorithm=settings.algorithm, chunks=settings.chunks,
+        chunks = settings.chunks if self.auto_chunks is None else self.auto_chunks
+        self._meta = plan_dispatch(counts, comm=comm, algorithm=settings.algorithm, chunks=chunks,
                                    device=routing_map.device)
         return tokens_per_expert
 
@@ -184,7 +202,7 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
         tracer = self.binding.tracer
         if tracer is not None:
             self._record = tracer.begin(algorithm=self.binding.settings.algorithm.value,
-                                        chunks=self.binding.settings.chunks, meta=self._meta,
+                                        chunks=self._current_meta().chunks, meta=self._meta,
                                         first_expert=self.local_expert_indices[0])
             self._record.mark("dispatch")
         if self.binding.settings.pipelined:

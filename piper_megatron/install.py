@@ -204,8 +204,14 @@ def dispatcher_description(planned: Planned) -> str | None:
     plan = planned.top.plan
     if not planned.model.is_moe:
         return None
+    if planned.pins.tune:
+        from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS
+        chunks = (f"chunk count measured per MoE layer at run time ({'/'.join(map(str, ADAPTER_CANDIDATES))} "
+                  f"chunks, {ADAPTER_TRIALS} steps each, then the fastest; planned with {plan.a2a_chunks})")
+    else:
+        chunks = f"{plan.a2a_chunks} chunks"
     a2a = {"flat": "Piper flat all-to-all", "hierarchical": "Piper hierarchical all-to-all (intra-node, then "
-           "inter-node)", "pipelined": f"Piper pipelined all-to-all, {plan.a2a_chunks} chunks (chunk k+1's exchange "
+           "inter-node)", "pipelined": f"Piper pipelined all-to-all, {chunks} (chunk k+1's exchange "
            "overlaps chunk k's experts)"}[plan.a2a]
     return a2a + (f" over expert-parallel groups of {plan.ep}" if plan.ep > 1 else " (ep=1: local permutation only)")
 
@@ -220,6 +226,7 @@ class DispatchRequest:
     a2a: str
     chunks: int
     ranks_per_node: int
+    tune: bool = False
     timeout_minutes: float
     trace: Any = None
 
@@ -300,7 +307,7 @@ class Installation:
             raise SystemExit(0)
         if self.planned.model.is_moe:
             self.hook_model_parallel(DispatchRequest(
-                a2a=plan.a2a, chunks=plan.a2a_chunks,
+                a2a=plan.a2a, chunks=plan.a2a_chunks, tune=options.tune,
                 ranks_per_node=_ranks_per_node() or self.planned.cluster.gpus_per_node,
                 timeout_minutes=getattr(args, "distributed_timeout_minutes", 10), trace=options.trace))
 
@@ -338,7 +345,7 @@ class Installation:
         if request.trace is not None and self._tracer is None:
             self._tracer = Tracer.for_rank(request.trace, rank=dist.get_rank(), world_size=world)
             atexit.register(self._tracer.close)
-        settings = DispatchSettings.from_plan(request.a2a, request.chunks)
+        settings = DispatchSettings.from_plan(request.a2a, request.chunks, tune=request.tune)
         self._dispatcher = install_dispatcher(comm, settings, tracer=self._tracer)
 
 

@@ -27,7 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,7 @@ FULL = Config(a2a_clusters=((2, 2), (2, 4)), a2a_mbits=(100.0, 1000.0),
               a2a_sizes=(16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20),
               a2a_algorithms=("flat", "hierarchical", "aggregated"), a2a_rounds=7,
               moe_mbit=50.0, moe_tokens=2048, moe_hidden=256, moe_experts_per_rank=2,
-              moe_ratios=(0.3, 0.6, 1.0, 1.5, 3.0), moe_chunks=(1, 2, 4, 8),
+              moe_ratios=(0.3, 0.6, 0.8, 1.0, 1.25, 1.5, 3.0), moe_chunks=(1, 2, 4, 8),
               moe_algorithms=("flat",), moe_rounds=6, small_comm_ffn=4096, small_comm_rounds=25,
               auto_candidates=(1, 2, 4, 8), auto_trials=3, contrast_mbit=200.0, contrast_ratio=1.0,
               interference_mbits=(50.0, 200.0, None), interference_bytes=1 << 20,
@@ -265,6 +265,17 @@ def print_acceptance(acc: dict[str, Any]) -> None:
           f"{'yes' if acc['meets_3pct_fixed_chunks'] else 'no'}){auto_small}")
 
 
+def _ratios(text: str) -> tuple[float, ...]:
+    try:
+        ratios = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        ratios = ()
+    if not ratios or any(not 0.01 <= r <= 100 for r in ratios):
+        raise argparse.ArgumentTypeError(f"--ratios {text!r}: give comma-separated numbers in [0.01, 100], "
+                                         "e.g. 0.8,1.0,1.25")
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a small subset (about a minute)")
@@ -273,12 +284,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per emulated run")
     parser.add_argument("--part", choices=("all", "a2a", "moe"), default="all",
                         help="run only (a), or only (b) and (c) (default: all)")
+    parser.add_argument("--ratios", type=_ratios, default=None, metavar="R,R,...",
+                        help="(b): the communication/compute ratios to aim at on the shaped link "
+                             f"(default {','.join(map(str, FULL.moe_ratios))})")
     args = parser.parse_args(argv)
     reason = emulation_available()
     if reason is not None:
         print(f"cannot run the all-to-all benchmark: {reason}", file=sys.stderr)
         return 2
     cfg = QUICK if args.quick else FULL
+    if args.ratios is not None:
+        cfg = replace(cfg, moe_ratios=args.ratios)
     start = time.perf_counter()
     result = {"command": " ".join(["python -m piper_core.bench.alltoall", *(argv if argv is not None else sys.argv[1:])]),
               "machine": machine(), "config": asdict(cfg),

@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         print(a2a_tables(result["a2a"]))
     if "moe" in result:
         print(moe_tables(result["moe"]))
+    if "moe_repeat" in result:  # a merged file's second run of (b) and (c)
+        print(f"\n**Repeat** (`{result['moe_repeat_run']['command']}`):")
+        print(moe_tables(result["moe_repeat"]))
     return 0
 
 

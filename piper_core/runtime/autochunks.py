@@ -39,6 +39,12 @@ from piper_core.runtime import timeouts
 from piper_core.runtime.groups import A2AComm
 
 
+#: What the adapters measure when asked to tune the chunk count at run time (``--piper-chunks tune``,
+#: ``"chunks": "tune"``): these counts, this many steps each, one :class:`AutoChunks` per MoE layer.
+ADAPTER_CANDIDATES: tuple[int, ...] = (1, 2, 4, 8)
+ADAPTER_TRIALS = 3
+
+
 class AutoChunks:
     """Measures each of ``candidates`` for ``trials`` steps, then keeps the fastest (see module doc).
 

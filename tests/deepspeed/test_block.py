@@ -47,8 +47,10 @@ CONFIG = {"train_batch_size": 8, "zero_optimization": {"stage": 0}}
     (OK | {"chunk": 4}, r"piper\.chunk=4: is not a key of the piper block; did you mean 'chunks'\? valid keys: "
                         r"enabled, cluster, profile, a2a, chunks, memory_headroom, plan_only, trace, model, plan"),
     (OK | {"a2a": "ring"}, r"piper\.a2a='ring': must be one of auto, flat, hierarchical, pipelined"),
-    (OK | {"chunks": 0}, r"piper\.chunks=0: must be an int >= 1 or \"auto\""),
-    (OK | {"chunks": "4"}, r"piper\.chunks='4': must be an int >= 1 or \"auto\""),
+    (OK | {"chunks": 0}, r"piper\.chunks=0: must be an int >= 1, \"auto\" or \"tune\""),
+    (OK | {"chunks": "4"}, r"piper\.chunks='4': must be an int >= 1, \"auto\" or \"tune\""),
+    (OK | {"a2a": "hierarchical", "chunks": "tune"}, r"piper\.chunks='tune': tuning measures the pipelined all-to-all's "
+                                                    r"chunk count, and a2a \"hierarchical\" is unpipelined"),
     (OK | {"chunks": 2.5}, r"piper\.chunks=2\.5: must be an int >= 1"),
     (OK | {"a2a": "flat", "chunks": 4}, r"piper\.chunks=4: pipeline chunks apply only to a2a \"pipelined\""),
     (OK | {"a2a": "pipelined", "chunks": 1}, r"piper\.chunks=1: a2a \"pipelined\" needs chunks >= 2"),

@@ -7,7 +7,8 @@ rewrite is the identity; the only difference is Piper's all-to-all inside every 
 losses must agree to fp32 rounding (rtol 1e-5), and the engine must hold PiperMOELayers.
 
 * 2 processes, ep 2: ZeRO 0 (pipelined all-to-all, 2 chunks), ZeRO 1 (hierarchical), ZeRO 2
-  (pipelined, 4 chunks); plus, on the same processes: a searched (unpinned) plan, whose config
+  (pipelined, 4 chunks), ZeRO 0 with ``"chunks": "tune"`` (7 steps: every layer measures 1/2/4/8
+  chunks in 12 micro-batches, then keeps one, the same on both ranks); plus, on the same processes: a searched (unpinned) plan, whose config
   rewrite, engine settings and rank-0 printout are checked against ``plan_for``/``report``, and its
   ``trace`` files (plan.json, one dispatch post per chunk per MoE layer per micro-batch); a model
   built with a conflicting ep_size (an error naming the layer); ``plan_only`` (PlanOnly on every rank).
@@ -42,7 +43,7 @@ def _config(stage: int, **block) -> dict:
     return cfg | ({"piper": BLOCK | block} if block else {})
 
 
-def _pair(stage: int, a2a: str, chunks: int, *, ep: int, pipeline: bool = False) -> dict:
+def _pair(stage: int, a2a: str, chunks: int | str, *, ep: int, pipeline: bool = False, steps: int = STEPS) -> dict:
     from piper_deepspeed.train import TrainArgs, train
 
     world = torch.distributed.get_world_size()
@@ -52,14 +53,14 @@ def _pair(stage: int, a2a: str, chunks: int, *, ep: int, pipeline: bool = False)
     stock_cfg = _config(stage) | {"gradient_accumulation_steps": gas}
     piper_cfg = _config(stage, a2a=a2a, chunks=chunks, plan={"pp": stages, "ep": ep, "mbs": mbs}) \
         | {"gradient_accumulation_steps": gas}
-    common = dict(model="tiny-moe", steps=STEPS, pipeline=pipeline, quiet=True)
+    common = dict(model="tiny-moe", steps=steps, pipeline=pipeline, quiet=True)
     with contextlib.redirect_stdout(io.StringIO()):
         stock = train(TrainArgs(config=stock_cfg, ep=ep, stages=stages, **common))
         piper = train(TrainArgs(config=piper_cfg, **common))
     changed = {k: piper.engine_config[k] for k in stock_cfg if k != "piper" and piper.engine_config[k] != stock_cfg[k]}
     return {"case": f"ZeRO {stage} ep={ep} pp={stages} {a2a}/{chunks}", "stock": [s.loss for s in stock.steps],
             "piper": [s.loss for s in piper.steps], "stock_moe": stock.moe_classes, "piper_moe": piper.moe_classes,
-            "config_changed": changed}
+            "config_changed": changed, "steps": steps, "tuned": piper.tuned}
 
 
 def _searched(trace: str) -> dict:
@@ -113,7 +114,8 @@ def _conflict_and_plan_only() -> dict:
 
 def _two_ranks(rank: int, world: int, trace: str) -> dict:
     deepspeed_comm()
-    pairs = [_pair(0, "pipelined", 2, ep=2), _pair(1, "hierarchical", 1, ep=2), _pair(2, "pipelined", 4, ep=2)]
+    pairs = [_pair(0, "pipelined", 2, ep=2), _pair(1, "hierarchical", 1, ep=2), _pair(2, "pipelined", 4, ep=2),
+             _pair(0, "pipelined", "tune", ep=2, steps=7)]
     return {"pairs": pairs, "searched": _searched(trace), "errors": _conflict_and_plan_only()}
 
 
@@ -126,7 +128,7 @@ def _four_ranks(rank: int, world: int) -> dict:
 
 def _check_pairs(pairs: list[dict]) -> None:
     for p in pairs:
-        assert len(p["stock"]) == len(p["piper"]) == STEPS, p["case"]
+        assert len(p["stock"]) == len(p["piper"]) == p["steps"], p["case"]
         assert p["config_changed"] == {}, f"{p['case']}: the pinned plan must not rewrite the config"
         assert p["stock_moe"] and set(p["stock_moe"]) == {"MOELayer"}, p["case"]
         assert p["piper_moe"] and set(p["piper_moe"]) == {"PiperMOELayer"}, p["case"]
@@ -144,6 +146,11 @@ def test_two_ranks_zero_0_1_2_searched_plan_and_errors(tmp_path) -> None:
     results = run_ranks(2, _two_ranks, str(tmp_path), timeout_s=300)
     for r in results:
         _check_pairs(r["pairs"])
+    tuned = [r["pairs"][3]["tuned"] for r in results]  # per rank: (chosen, medians) per MoE layer
+    assert tuned[0] == tuned[1] and len(tuned[0]) == 4, tuned  # both ranks decide on the slowest's times
+    for chosen, medians in tuned[0]:
+        assert chosen in (1, 2, 4, 8) and set(medians) == {1, 2, 4, 8} and all(0 < m < 10 for m in medians.values())
+    assert all(not r["pairs"][0]["tuned"] for r in results)  # a fixed chunk count measures nothing
     searched = results[0]["searched"]
     assert searched["built"] == searched["plan"]
     assert searched["engine"] == searched["rewritten"]

@@ -51,3 +51,13 @@ def test_quick_benchmark_runs_end_to_end(tmp_path: Path) -> None:
     assert acc["small_comm_auto_cost_pct"] is not None and acc["auto_speedup"] is not None
     for name in ("alltoall_sizes.png", "moe_pipelined.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("text", ["0,1", "x", "1,,2", "200"])
+def test_bad_ratios_exit_2_naming_the_flag_and_the_rule(text: str, capsys) -> None:
+    from piper_core.bench.alltoall import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--ratios", text])
+    assert exc.value.code == 2
+    assert f"--ratios {text!r}: give comma-separated numbers in [0.01, 100]" in capsys.readouterr().err

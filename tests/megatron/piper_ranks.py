@@ -39,9 +39,11 @@ LAYOUTS = {2: ((1, 2),), 4: ((1, 2), (1, 4), (2, 2))}
 TOPOLOGY = {(2, 1, 2): ((0,), (1,)), (4, 1, 2): ((0, 2), (1, 3)), (4, 1, 4): ((0, 1), (2, 3)),
             (4, 2, 2): ((0, 1), (2, 3))}
 TRAIN = {2: {"pp": 1, "ep": 2}, 4: {"pp": 2, "ep": 2}}  # world 4: stages (0, 1) and (2, 3)
+# "tune": every layer measures 1/2/4/8 chunks for 3 calls each (12 calls: 6 steps of 2 micro-batches),
+# then runs its choice in the last step
 TRAIN_VARIANTS: tuple[tuple[str, int] | str, ...] = ("stock", ("flat", 1), ("hierarchical", 1), ("flat", 2),
-                                                    ("aggregated", 4))
-TRAIN_STEPS, MICRO_BATCHES, MBS, SEQ = 5, 2, 2, 32
+                                                    ("aggregated", 4), "tune")
+TRAIN_STEPS, MICRO_BATCHES, MBS, SEQ = 7, 2, 2, 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +241,9 @@ def _forward_step(data: Any, model: Any) -> tuple[torch.Tensor, Any]:
     return output, loss_func
 
 
-def _train(world: int, comm: Any, variant: tuple[str, int] | str) -> list[list[float]]:
+def _train(world: int, comm: Any, variant: tuple[str, int] | str) -> tuple[list[list[float]], list[dict] | None]:
+    """Losses per step and micro-batch; for "tune", each MoE layer's tuner (what it handed out per
+    call, what it chose from which medians)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -254,8 +258,9 @@ def _train(world: int, comm: Any, variant: tuple[str, int] | str) -> list[list[f
     plan = ParallelPlan(gpus=world, pp=sizes["pp"], ep=sizes["ep"], global_batch_size=world // sizes["pp"] * MBS * 2)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
-    patches = None if variant == "stock" else install_dispatcher(
-        comm, DispatchSettings(algorithm=Algorithm(variant[0]), chunks=variant[1]))
+    settings = DispatchSettings(algorithm=Algorithm.FLAT, chunks=2, tune=True) if variant == "tune" else \
+        None if variant == "stock" else DispatchSettings(algorithm=Algorithm(variant[0]), chunks=variant[1])
+    patches = None if settings is None else install_dispatcher(comm, settings)
     try:
         model = gpt_model(dataclasses.replace(load_model("tiny-moe"), seq_length=SEQ), plan, device="cpu",
                           params_dtype=torch.float32, bf16=False, pipeline_dtype=torch.float32,
@@ -265,7 +270,9 @@ def _train(world: int, comm: Any, variant: tuple[str, int] | str) -> list[list[f
         model.config.no_sync_func = ddp.no_sync
         optimizer = torch.optim.Adam(ddp.parameters(), lr=3e-3)
         batches = _batches(parallel_state.get_data_parallel_rank())
-        losses = []
+        losses, handed = [], {}
+        tuners = {m.layer_number: m.token_dispatcher.auto_chunks for m in model.modules()
+                  if getattr(getattr(m, "token_dispatcher", None), "auto_chunks", None) is not None}
         for _ in range(TRAIN_STEPS):
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
@@ -276,7 +283,11 @@ def _train(world: int, comm: Any, variant: tuple[str, int] | str) -> list[list[f
                 p.grad = p.main_grad  # DDP accumulates into main_grad; torch.optim reads .grad
             optimizer.step()
             losses.append([r["lm loss"].item() for r in out])
-        return losses
+            for layer, tuner in tuners.items():  # what this step's layers ran with (their last plan)
+                handed.setdefault(layer, []).append(tuner.chosen)
+        tuned = [{"layer": layer, "chosen": t.chosen, "medians_s": t.medians_s, "after_step": handed[layer]}
+                 for layer, t in sorted(tuners.items())] if variant == "tune" else None
+        return losses, tuned
     finally:
         if patches is not None:
             patches.restore()
@@ -290,9 +301,10 @@ def _training(world: int) -> dict[str, Any]:
                                              expert_model_parallel_size=sizes["ep"])
     comm = _comm(world, 1, sizes["ep"])
     last_stage = parallel_state.is_pipeline_last_stage()
-    losses = {variant_id(v): _train(world, comm, v) for v in TRAIN_VARIANTS}
+    runs = {variant_id(v): _train(world, comm, v) for v in TRAIN_VARIANTS}
     parallel_state.destroy_model_parallel()
-    return {"last_stage": last_stage, "losses": losses}
+    return {"last_stage": last_stage, "losses": {k: losses for k, (losses, _) in runs.items()},
+            "tuned": runs["tune"][1]}
 
 
 def run_rank(rank: int, world: int, trace_dir: str) -> dict[str, Any]:

@@ -72,3 +72,7 @@ def test_settings_follow_the_plan_names():
     assert not DispatchSettings.from_plan("flat", 1).pipelined
     with pytest.raises(SpecError, match="chunks=0: must be an int >= 1"):
         DispatchSettings(chunks=0)
+    tuned = DispatchSettings.from_plan("pipelined", 4, tune=True)
+    assert tuned.tune and tuned.pipelined and "measured per MoE layer at run time" in tuned.describe()
+    with pytest.raises(SpecError, match="chunks='tune': tuning measures pipelined chunk counts"):
+        DispatchSettings.from_plan("hierarchical", 1, tune=True)

@@ -173,6 +173,23 @@ def test_pinned_sizes_are_honoured_and_reported():
     assert f"best: {describe(job.top.plan)}" in text
 
 
+def test_tune_plans_a_pipelined_all_to_all_and_says_the_count_is_measured():
+    with pytest.raises(SpecError, match="--piper-chunks='tune': tuning measures the pipelined.*--piper-a2a flat"):
+        parse_piper_options(["--piper", "--piper-a2a", "flat", "--piper-chunks", "tune"])
+    with pytest.raises(SpecError, match="--piper-chunks='tune': full recompute runs each MoE layer's forward twice"):
+        pins_from(["--recompute-granularity", "full"], parse_piper_options(["--piper", "--piper-chunks", "tune"]))
+    argv = BASE + PIPER + ["--piper-chunks", "tune"]
+    options = parse_piper_options(argv)
+    assert (options.tune, options.chunks) == (True, None)
+    job = planned(argv)
+    assert job.result.scored and all(s.plan.a2a == "pipelined" and s.plan.ep > 1 and s.plan.recompute != "full"
+                                     for s in job.result.scored)
+    assert job.pins.describe() == "--piper-chunks tune"
+    text = dispatcher_description(job)
+    assert "chunk count measured per MoE layer at run time (1/2/4/8 chunks, 3 steps each, then the fastest; " \
+           f"planned with {job.top.plan.a2a_chunks})" in text
+
+
 def test_rewrite_sets_the_plan_and_resets_what_it_does_not_use():
     job = planned(BASE + PIPER)
     ns = parse_megatron_args(BASE + ["--recompute-method", "block"])

@@ -7,7 +7,8 @@ Megatron-Core's own schedule (``get_forward_backward_func``: no pipelining at pp
 ``finalize_model_grads`` and ``torch.optim.Adam`` (on CPU with
 :func:`piper_megatron.cpu.install_cpu_training_shims`). The same initial weights and data run once
 with Megatron's alltoall dispatcher and once per Piper variant (flat, hierarchical, pipelined flat
-in 2 chunks, aggregated in 4). Every micro-batch loss of every step must agree with the stock run.
+in 2 chunks, aggregated in 4, and ``tune``: each layer measures 1/2/4/8 chunks, 3 calls each, then
+keeps the fastest). Every micro-batch loss of every step must agree with the stock run.
 """
 
 from __future__ import annotations
@@ -37,6 +38,25 @@ def test_losses_agree_step_by_step(piper_ranks, world, variant):
         assert len(piper) == len(stock) == TRAIN_STEPS
         for step, (want, got) in enumerate(zip(stock, piper)):
             assert got == pytest.approx(want, abs=TOL, rel=0), f"step {step}: {variant} {got} vs stock {want}"
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_tuned_layers_decide_together_and_keep_their_choice(piper_ranks, world):
+    """Every MoE layer of every rank measured all four counts, then chose one of them, the same on
+    the ranks of its expert-parallel group (they see the slowest rank's medians)."""
+    by_layer: dict[int, list[dict]] = {}
+    for r in piper_ranks(world):
+        tuned = r["training"]["tuned"]
+        assert tuned, "the tune run built no tuning layer"
+        for t in tuned:
+            by_layer.setdefault(t["layer"], []).append(t)
+    for layer, ranks in by_layer.items():
+        for t in ranks:
+            # 2 micro-batches a step: undecided for 6 steps (12 measured calls), decided in the 7th
+            assert t["after_step"][:6] == [None] * 6 and t["after_step"][6] == t["chosen"], (layer, t)
+            assert t["chosen"] in (1, 2, 4, 8) and set(t["medians_s"]) == {1, 2, 4, 8}, (layer, t)
+            assert all(0 < m < 10 for m in t["medians_s"].values()), (layer, t)
+        assert len({t["chosen"] for t in ranks}) == 1 and len(ranks) == 2, (layer, ranks)  # ep 2: a pair
 
 
 @pytest.mark.parametrize("world", (2, 4))
