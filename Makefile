@@ -42,7 +42,7 @@ validate: install
 	  --json docs/validation/results.json --plot docs/validation
 
 # Benchmarks (not part of `make test`): scheduler search speed over the full space; the all-to-all
-# and the pipelined MoE layer on the emulated 2-node cluster (root, ~7 min; docs/alltoall.md).
+# and the pipelined MoE layer on the emulated 2-node cluster (root, ~20-25 min; docs/alltoall.md).
 bench: install
 	$(PY) -m piper_core.bench.search_speed
 

@@ -75,33 +75,62 @@ def probe_model(layers: int, experts: int | None) -> ModelSpec:
                                num_layers=layers, **moe)
 
 
-def probe_plan(world: int, micro_batches: int, mbs: int = PROBE_MBS, spread: bool = False) -> ParallelPlan:
+def probe_plan(world: int, micro_batches: int, mbs: int = PROBE_MBS, spread: bool = False,
+               attention: str = "unfused") -> ParallelPlan:
     return ParallelPlan(gpus=world, ep=world if spread else 1, micro_batch_size=mbs,
                         global_batch_size=world * micro_batches * mbs, distributed_optimizer=False,
-                        attention_backend="unfused")
+                        attention_backend=attention)
+
+
+def probes_for(framework: str) -> tuple[tuple[int, int | None, int, int, bool], ...]:
+    """:data:`PROBES` for Megatron-Core; for DeepSpeed every MoE run spreads its experts over all
+    ranks, since DeepSpeed keeps its own MoE layer at ep = 1 and Piper's layer (the one whose host
+    cost is wanted) runs only at ep > 1."""
+    if framework != "deepspeed":
+        return PROBES
+    return tuple((layers, e, m, mbs, e is not None) for layers, e, m, mbs, spread in PROBES if not spread)
+
+
+# What each framework's model runs for attention: Megatron-Core's local layers on CPU the unfused
+# path; Piper's DeepSpeed builder torch's scaled_dot_product_attention (no score matrix kept)
+ATTENTION = {"megatron": "unfused", "deepspeed": "flash"}
 
 
 def probe_rank(info: Any, settings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Rank side: every probe run, timed (median seconds of training steps and forward passes)."""
+    """Rank side: every probe run, timed (median seconds of training steps and forward passes).
+    ``settings["framework"]``: ``"megatron"`` (default; Megatron-Core through :mod:`piper_megatron.train`)
+    or ``"deepspeed"`` (DeepSpeed-MoE with Piper's layer through :mod:`piper_deepspeed.measure`)."""
     import warnings
 
     warnings.filterwarnings("ignore")
-    from piper_megatron.cpu import install_cpu_training_shims
-    from piper_megatron.train import TrainJob, _train
+    from piper_core.validate.instrument import TrainJob
 
-    install_cpu_training_shims()
     settings = settings or {}
+    framework = settings.get("framework", "megatron")
+    if framework == "deepspeed":
+        from piper_deepspeed.measure import _train as ds_train, init_deepspeed_comm
+
+        init_deepspeed_comm()
+        train = lambda job, tmp: ds_train(job)  # noqa: E731
+    else:
+        from piper_megatron.cpu import install_cpu_training_shims
+        from piper_megatron.train import _train as mg_train
+
+        install_cpu_training_shims()
+        train = lambda job, tmp: mg_train(job, info.ranks_per_node, tmp)  # noqa: E731
     steps, forward, warmup = int(settings.get("steps", 8)), int(settings.get("forward_steps", 5)), 3
     out = []
     with tempfile.TemporaryDirectory(prefix="piper-probe-") as tmp:
-        for layers, experts, m, mbs, spread in PROBES:
+        for layers, experts, m, mbs, spread in probes_for(framework):
             if spread and (info.world_size == 1 or experts % info.world_size):
                 continue
-            job = TrainJob(model=probe_model(layers, experts), plan=probe_plan(info.world_size, m, mbs, spread),
-                           steps=steps, warmup=warmup, forward_steps=forward, sync_grads=False)
-            r = _train(job, info.ranks_per_node, Path(tmp))
+            plan = probe_plan(info.world_size, m, mbs, spread, ATTENTION[framework])
+            job = TrainJob(model=probe_model(layers, experts), plan=plan, steps=steps, warmup=warmup,
+                           forward_steps=forward, sync_grads=False)
+            r = train(job, Path(tmp))
             out.append({"label": probe_label(layers, experts, m, mbs, spread), "layers": layers, "experts": experts,
                         "micro_batches": m, "micro_batch_size": mbs, "spread": spread,
+                        "attention_backend": plan.attention_backend,
                         "step_s": statistics.median(r["step_s"][warmup:]), "forward_s": statistics.median(r["forward_s"])})
     return {"rank": info.rank, "runs": out}
 
@@ -142,7 +171,8 @@ def _base(cluster: ClusterSpec, run: dict[str, Any], world: int) -> tuple[float,
 
     layers, experts, m = run["layers"], run["experts"], run["micro_batches"]
     model = probe_model(layers, experts)
-    plan = probe_plan(world, m, run.get("micro_batch_size", PROBE_MBS), run.get("spread", False))
+    plan = probe_plan(world, m, run.get("micro_batch_size", PROBE_MBS), run.get("spread", False),
+                      run.get("attention_backend", "unfused"))
     cost = layer_cost(model, shape_of(plan), cluster, model.is_moe)
     forward = m * (layers * cost.fwd + _logits(model, plan, cluster) / 3)
     t = step_time(model, plan, cluster)

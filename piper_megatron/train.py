@@ -21,112 +21,19 @@ dict. ``piper validate`` and ``make run`` build on it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import statistics
 import sys
 import tempfile
 import time
-import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from piper_core.specs.model import ModelSpec
-from piper_core.specs.parallel import ParallelPlan
-from piper_core.specs.yamlio import from_dict, to_dict
+from piper_core.validate.instrument import ActivationPeak, TrainJob, median, summary
+
+__all__ = ["ActivationPeak", "TrainJob", "rank_main", "run", "summary"]
 
 TIMEOUT_S = 600.0
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class TrainJob:
-    """One measured training run: ``model`` under ``plan`` for ``steps`` steps (the first
-    ``warmup`` not timed into the median). ``stock``: Megatron's own dispatcher."""
-
-    model: ModelSpec
-    plan: ParallelPlan
-    steps: int = 4
-    warmup: int = 1
-    stock: bool = False
-    seed: int = 1234
-    lr: float = 1e-3
-    forward_steps: int = 0  # extra forward-only passes timed after training (the host-overhead probe)
-    sync_grads: bool = True  # False: no data-parallel gradient reduction (the probe times one rank's work)
-
-    def __post_init__(self) -> None:
-        from piper_core.errors import SpecError
-
-        if self.steps <= self.warmup:
-            raise SpecError("steps", self.steps, f"must be > warmup ({self.warmup}) to time a step",
-                            f"use steps >= {self.warmup + 1}")
-        for key, value, fix in (("distributed_optimizer", self.plan.distributed_optimizer, "dist_opt=false"),
-                                ("vpp", self.plan.vpp, "no vpp"), ("tp", self.plan.tp != 1 and self.plan.tp, "tp=1"),
-                                ("optimizer_offload_fraction", self.plan.optimizer_offload_fraction, "offload=0")):
-            if value:
-                raise SpecError(key, value, "the CPU trainer runs Megatron-Core's model, DDP and schedule with a "
-                                "host mixed-precision Adam: no distributed optimizer or offload, no virtual "
-                                "pipeline, tp 1", f"set {fix}")
-
-    def to_json(self) -> dict[str, Any]:
-        return {"model": to_dict(self.model), "plan": to_dict(self.plan), "steps": self.steps,
-                "warmup": self.warmup, "stock": self.stock, "seed": self.seed, "lr": self.lr,
-                "forward_steps": self.forward_steps, "sync_grads": self.sync_grads}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> TrainJob:
-        return cls(model=from_dict(ModelSpec, d["model"], where="job"), plan=from_dict(ParallelPlan, d["plan"], where="job"),
-                   steps=d["steps"], warmup=d["warmup"], stock=d["stock"], seed=d["seed"], lr=d["lr"],
-                   forward_steps=d.get("forward_steps", 0), sync_grads=d.get("sync_grads", True))
-
-
-# ---- measurement ----------------------------------------------------------------------------------
-
-class _Box:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: Any) -> None:
-        self.tensor = tensor
-
-
-class ActivationPeak:
-    """Saved-tensor hooks that keep a running sum of the unique storages autograd holds (each
-    counted once however many saves share it; parameters and listed inputs excluded) and its peak."""
-
-    def __init__(self, excluded: set[int]):
-        self.excluded = excluded
-        self.held: dict[int, list[int]] = {}  # storage address -> [saves alive, bytes]
-        self.now = self.peak = 0
-
-    def pack(self, tensor: Any) -> Any:
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self.excluded or storage.nbytes() == 0:
-            return tensor
-        box = _Box(tensor)
-        entry = self.held.get(ptr)
-        if entry is None:
-            entry = self.held[ptr] = [0, storage.nbytes()]
-            self.now += entry[1]
-            self.peak = max(self.peak, self.now)
-        entry[0] += 1
-        weakref.finalize(box, self._release, ptr)
-        return box
-
-    def _release(self, ptr: int) -> None:
-        entry = self.held[ptr]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.now -= entry[1]
-            del self.held[ptr]
-
-    @staticmethod
-    def unpack(box: Any) -> Any:
-        return box.tensor if isinstance(box, _Box) else box
-
-
-def _median(xs: Sequence[float]) -> float:
-    return statistics.median(xs) if xs else 0.0
 
 
 def _phases(trace: Path) -> dict[str, float]:
@@ -259,7 +166,7 @@ def _train(job: TrainJob, ranks_per_node: int, trace_dir: Path) -> dict[str, Any
         params = sum(p.numel() for p in gpt.parameters())
         return {"rank": rank, "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
                 "ep_rank": parallel_state.get_expert_model_parallel_rank(),
-                "step_s": steps, "step_median_s": _median(steps[job.warmup:]), "losses": losses,
+                "step_s": steps, "step_median_s": median(steps[job.warmup:]), "losses": losses,
                 "forward_s": forward,
                 "params": params, "param_bytes": sum(p.numel() * p.element_size() for p in gpt.parameters()),
                 "activation_peak_bytes": peak, "moe_phases_ms_per_step": per_step}
@@ -297,20 +204,6 @@ def run(job: TrainJob, *, nodes: int = 1, inter_node_mbit: float | None = None,
         raise ValueError(f"nodes={nodes}: must divide the plan's gpus ({world})")
     return run_emulated(nodes, world // nodes, inter_node_mbit, target, [job.to_json()], timeout_s=timeout_s,
                         realtime=realtime)
-
-
-def summary(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """The job's measured figures: step time (median over timed steps of the slowest rank), the
-    largest parameter and activation bytes of any rank, per pipeline stage, the losses."""
-    steps = [max(r["step_s"][i] for r in reports) for i in range(len(reports[0]["step_s"]))]
-    stages: dict[int, dict[str, int]] = {}
-    for r in reports:
-        st = stages.setdefault(r["pp_rank"], {"params": 0, "param_bytes": 0, "activation_peak_bytes": 0})
-        for k in st:
-            st[k] = max(st[k], r[k])
-    losses = next((r["losses"] for r in reports if r["losses"]), [])
-    return {"step_s": steps, "stages": [stages[k] for k in sorted(stages)], "losses": losses,
-            "moe_phases_ms_per_step": reports[0]["moe_phases_ms_per_step"]}
 
 
 # ---- command line ---------------------------------------------------------------------------------

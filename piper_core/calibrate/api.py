@@ -1,7 +1,8 @@
 """Calibrate one named topology, for tools that keep a profile per topology (``piper validate``).
 
 Names: ``local-<ranks>`` (local gloo ranks on this host) and ``emu-<nodes>x<ranks>-<rate>mbit``
-(the emulated cluster, links shaped to ``rate``; needs root).
+(the emulated cluster, links shaped to ``rate``; needs root); ``-deepspeed`` at the end: the host
+overheads are probed through DeepSpeed-MoE instead of Megatron-Core.
 """
 
 from __future__ import annotations
@@ -15,8 +16,14 @@ from piper_core.calibrate.steps import FULL_TIMEOUT_S, QUICK_TIMEOUT_S, Topology
 from piper_core.errors import SpecError
 
 
+def split_framework(name: str) -> tuple[str, str]:
+    """``local-2-deepspeed`` -> (``local-2``, ``deepspeed``); ``local-2`` -> (``local-2``, ``megatron``)."""
+    return (name[:-len("-deepspeed")], "deepspeed") if name.endswith("-deepspeed") else (name, "megatron")
+
+
 def parse_topology(name: str) -> Topology:
     """``local-2`` -> 1 node x 2 ranks; ``emu-2x1-200mbit`` -> 2 emulated nodes x 1 rank at 200 Mbit/s."""
+    name = split_framework(name)[0]
     local = re.fullmatch(r"local-(\d+)", name)
     if local and int(local[1]) >= 1:
         return Topology(nodes=1, ranks_per_node=int(local[1]))
@@ -24,7 +31,8 @@ def parse_topology(name: str) -> Topology:
     if emu and int(emu[1]) >= 2 and int(emu[2]) >= 1:
         return Topology(nodes=int(emu[1]), ranks_per_node=int(emu[2]), inter_node_mbit=float(emu[3]), emulated=True)
     raise SpecError("topology", name, "is not a calibration topology",
-                    "write local-<ranks> (e.g. local-2) or emu-<nodes>x<ranks>-<rate>mbit (e.g. emu-2x1-200mbit)")
+                    "write local-<ranks> (e.g. local-2) or emu-<nodes>x<ranks>-<rate>mbit (e.g. emu-2x1-200mbit), "
+                    "optionally followed by -deepspeed")
 
 
 def calibrate_topology(name: str, out: Path, *, quick: bool, base: str = "cpu-local",
@@ -34,8 +42,9 @@ def calibrate_topology(name: str, out: Path, *, quick: bool, base: str = "cpu-lo
     emulate = (f"--emulate {topology.nodes}x{topology.ranks_per_node} --inter-node-mbit {topology.inter_node_mbit:g}"
                if topology.emulated else f"--ranks {topology.ranks_per_node}")
     timeout = timeout_per_bench_s or (QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S)
+    framework = split_framework(name)[1]
     command = (f"piper calibrate --out {out} {emulate} --base {base}" + (" --quick" if quick else "")
-               + (" --realtime" if realtime else ""))
+               + (" --realtime" if realtime else "") + (f" --framework {framework}" if framework != "megatron" else ""))
     options = CalibrateOptions(out=Path(out), topology=topology, base=base, quick=quick,
-                               timeout_per_bench_s=timeout, command=command)
+                               timeout_per_bench_s=timeout, command=command, framework=framework)
     return calibrate(options)

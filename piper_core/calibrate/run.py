@@ -41,6 +41,7 @@ class CalibrateOptions:
     cache: Path | None = None
     timeout_per_bench_s: float = 120.0
     command: str = "piper calibrate"
+    framework: str = "megatron"  # whose host overheads the probe fits: "megatron" or "deepspeed"
 
     @property
     def cache_dir(self) -> Path:
@@ -62,7 +63,7 @@ def default_steps(options: CalibrateOptions) -> tuple[list[Step], str | None]:
     """The steps for ``options`` and, when the host-overhead probe cannot run, why not."""
     why_not = overhead_probe_available()
     steps = plan_steps(options.topology, quick=options.quick, timeout_s=options.timeout_per_bench_s,
-                       overhead_probe=why_not is None)
+                       overhead_probe=why_not is None, framework=options.framework)
     return steps, why_not
 
 

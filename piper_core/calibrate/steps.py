@@ -102,9 +102,14 @@ def gemm_shapes(quick: bool) -> dict[str, list[list[int]]]:
             "fp16": [[256, 256, 256], [512, 512, 512]]}
 
 
-def plan_steps(topology: Topology, *, quick: bool, timeout_s: float, overhead_probe: bool) -> list[Step]:
+FRAMEWORKS = ("megatron", "deepspeed")
+
+
+def plan_steps(topology: Topology, *, quick: bool, timeout_s: float, overhead_probe: bool,
+               framework: str = "megatron") -> list[Step]:
     """The benchmarks of a run, cheapest first. Collectives use ``timeout_s / 3`` as each
-    operation's deadline (well inside the step's, so the failure names the operation)."""
+    operation's deadline (well inside the step's, so the failure names the operation).
+    ``framework``: whose host overheads the probe fits (Megatron-Core or DeepSpeed-MoE)."""
     op_timeout = max(1.0, timeout_s / 3)
     base = {"timeout_s": op_timeout, "budget_s": 0.05 if quick else 0.2, "max_reps": 15 if quick else 31}
     coll = base | {"sizes": _sizes(10, 22, 2) if quick else _sizes(10, 24, 1), "stop_s": 0.5 if quick else 2.0,
@@ -128,7 +133,8 @@ def plan_steps(topology: Topology, *, quick: bool, timeout_s: float, overhead_pr
         p2p_scopes = (["intra"] if topology.ranks_per_node > 1 else []) + (["inter"] if topology.nodes > 1 else [])
         steps += [Step(name=f"p2p-{sc}", target=BENCH_TARGET, args=("p2p", check | {"scope": sc})) for sc in p2p_scopes]
     if overhead_probe:
-        steps.append(Step(name="overheads", target=f"{OVERHEAD_PROBE}:probe_rank", args=({"quick": quick},), weight=4))
+        settings = {"quick": quick} | ({"framework": framework} if framework != "megatron" else {})
+        steps.append(Step(name="overheads", target=f"{OVERHEAD_PROBE}:probe_rank", args=(settings,), weight=4))
     return steps
 
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the calibrate package loads only when the command runs
     from piper_core.calibrate.run import Calibration, CalibrateOptions
     from piper_core.calibrate.steps import Outcome, Step, Topology
 
-from piper_core.calibrate.steps import FULL_TIMEOUT_S, QUICK_TIMEOUT_S
+from piper_core.calibrate.steps import FRAMEWORKS, FULL_TIMEOUT_S, QUICK_TIMEOUT_S
 ACCELERATOR_FIELDS = ("peak_tflops_bf16", "peak_tflops_fp16", "peak_tflops_fp32", "gemm_efficiency",
                       "hbm_gb_per_s", "hbm_efficiency", "kernel_latency_us", "layer_overhead_us", "moe_overhead_us",
                       "expert_overhead_us", "backward_overhead_factor", "microbatch_overhead_us", "step_overhead_us")
@@ -48,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout-per-bench", type=float, metavar="S",
                    help=f"deadline of each benchmark in seconds (default {QUICK_TIMEOUT_S:g} with --quick, "
                         f"else {FULL_TIMEOUT_S:g})")
+    p.add_argument("--framework", choices=FRAMEWORKS, default="megatron",
+                   help="whose host overheads the probe fits: Megatron-Core (default) or DeepSpeed-MoE with "
+                        "Piper's MoE layer")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--realtime", action="store_true",
                    help="run the ranks under SCHED_FIFO (root) so other processes on a shared machine do not "
@@ -104,7 +107,7 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
         check_realtime()  # likewise: not one failed benchmark per step
     command = "piper " + shlex.join(argv if argv is not None else sys.argv[1:])
     return CalibrateOptions(out=args.out, topology=topology_from_args(args), base=args.base, quick=args.quick,
-                            cache=args.cache, timeout_per_bench_s=timeout, command=command)
+                            cache=args.cache, timeout_per_bench_s=timeout, command=command, framework=args.framework)
 
 
 def run(args: argparse.Namespace) -> int:

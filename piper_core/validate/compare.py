@@ -44,7 +44,7 @@ class Row:
 def _phases(case: Case, pred: Prediction, measured: dict[str, float]) -> dict[str, float]:
     model, plan = case.model, case.plan
     out = {f"measured_{k}_ms": round(v, 3) for k, v in measured.items() if k != "calls"}
-    if not model.is_moe:
+    if not model.is_moe or not measured:  # DeepSpeed cases record no phases
         return out
     cost = layer_cost(model, shape_of(plan), pred.cluster, True)
     calls = measured.get("calls", 0.0)  # MoE layer forwards per step on rank 0
@@ -100,7 +100,8 @@ def verdict(all_rows: list[Row]) -> dict[str, Any]:
 def row_json(r: Row) -> dict[str, Any]:
     from piper_core.export import plan_label
 
-    return {"case": r.case.name, "group": r.case.group, "topology": r.case.topology, "model": r.case.model.name,
+    return {"case": r.case.name, "group": r.case.group, "framework": r.case.framework, "topology": r.case.topology,
+            "model": r.case.model.name,
             "plan": plan_label(r.case.plan),
             "step_s": {"measured": round(r.measured_step_s, 5), "predicted": round(r.predicted_step_s, 5),
                        "error": round(r.step_error, 4)},

@@ -32,8 +32,11 @@ def table(rows: Sequence[Row], verdict: dict[str, Any]) -> str:
               f"(limit {100 * lim['worst_step']:.0f}%): {ok[v['worst_step_ok']]}",
               f"worst parameter+activation memory error {_pct(v['worst_memory_error'])} on {v['worst_memory_case']} "
               f"(limit {100 * lim['memory']:.0f}%): {ok[v['memory_ok']]}"]
+    reasons: dict[str, list[str]] = {}
     for name, why in v["excluded"].items():
-        lines.append(f"* {name}: measured, not in the figures above: {why}")
+        reasons.setdefault(why, []).append(name)
+    for why, names in reasons.items():
+        lines.append(f"* {', '.join(names)}: measured, not in the figures above: {why}")
     for g, p in v["picks"].items():
         lines.append(f"scheduler's pick in {g}: {p['pick']} (measured fastest {p['measured_fastest']}; pick slower by "
                      f"{100 * p['pick_slower_by']:.1f}%, limit {100 * lim['pick']:.0f}%): {ok[p['ok']]}")

@@ -2,7 +2,8 @@
 
 ``profiles`` maps a case's :attr:`Case.topology` (``local-2``, ``local-4``, ``emu-2x1-200mbit``) to
 the calibrated :class:`ClusterSpec` that predicts it. Training runs through
-:func:`piper_megatron.train.run` (Megatron-Core, Piper's dispatcher, local or emulated ranks).
+:func:`piper_megatron.train.run` (Megatron-Core, Piper's dispatcher, local or emulated ranks), or
+:func:`piper_deepspeed.measure.run` for DeepSpeed cases (DeepSpeed-MoE, Piper's MoE layer).
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ STEPS, WARMUP = 12, 3
 
 def run_case(case: Case, cluster: ClusterSpec, *, steps: int = STEPS, warmup: int = WARMUP,
              timeout_s: float = 600.0, realtime: bool = False) -> Row:
-    from piper_megatron.train import TrainJob, run, summary
+    from piper_core.validate.instrument import TrainJob, summary
 
+    if case.framework == "deepspeed":
+        from piper_deepspeed.measure import run
+    else:
+        from piper_megatron.train import run
     job = TrainJob(model=case.model, plan=case.plan, steps=steps, warmup=warmup)
     reports = run(job, nodes=case.nodes, inter_node_mbit=case.inter_node_mbit, timeout_s=timeout_s,
                   realtime=realtime)

@@ -9,15 +9,9 @@ which training never calls, so the tests skip it rather than pay the compile on 
 
 from __future__ import annotations
 
-import importlib
-import os
-
 
 def deepspeed_comm() -> None:
     """Initialise ``deepspeed.comm`` over the existing torch.distributed group (no shm op build)."""
-    import deepspeed.comm
+    from piper_deepspeed.measure import init_deepspeed_comm
 
-    # importlib: ``import deepspeed.comm.torch as m`` binds torch itself (deepspeed.comm re-exports it)
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # see the module doc
-    os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule and the engine read it
-    deepspeed.comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
+    init_deepspeed_comm()

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 
+from piper_core.errors import SpecError
 from piper_core.presets import load_cluster
 from piper_core.validate.cases import CASES, QUICK, select
 from piper_core.validate.compare import Row, verdict
@@ -77,7 +78,31 @@ def test_the_case_list_meets_the_issue():
     assert any(c.nodes == 2 for c in accepted)
     assert all(c.excluded for c in CASES if c.plan.gpus == 4)
     assert [c.name for c in select(None, quick=True)] == list(QUICK)
-    assert all(c.excluded is None for c in select(None, quick=True))
+    quick = select(None, quick=True)
+    assert sum(c.excluded is None for c in quick) == 3 and all(c.excluded for c in quick if c.framework == "deepspeed")
+    ds = [c for c in CASES if c.framework == "deepspeed"]  # DeepSpeed with Piper's layer: ep > 1, SDPA
+    assert ds and all(c.plan.ep > 1 and c.plan.attention_backend == "flash" and c.plan.pp == 1 for c in ds)
+    assert {c.topology for c in ds} == {"local-2-deepspeed"}
+
+
+def test_topology_names_carry_the_framework_whose_overheads_are_probed():
+    from piper_core.calibrate.api import parse_topology, split_framework
+    from piper_core.calibrate.steps import Topology, plan_steps
+    from piper_megatron.probe import PROBES, probes_for
+
+    assert split_framework("local-2-deepspeed") == ("local-2", "deepspeed")
+    assert split_framework("emu-2x1-200mbit") == ("emu-2x1-200mbit", "megatron")
+    assert parse_topology("local-2-deepspeed") == parse_topology("local-2")
+    with pytest.raises(SpecError, match="optionally followed by -deepspeed"):
+        parse_topology("local-2-tutel")
+    steps = {fw: [s for s in plan_steps(Topology(nodes=1, ranks_per_node=2), quick=True, timeout_s=30,
+                                        overhead_probe=True, framework=fw) if s.name == "overheads"][0]
+             for fw in ("megatron", "deepspeed")}
+    assert steps["megatron"].args == ({"quick": True},)  # unchanged: cached Megatron probes stay valid
+    assert steps["deepspeed"].args == ({"quick": True, "framework": "deepspeed"},)
+    # DeepSpeed keeps its own MoE layer at ep 1: every MoE probe run spreads its experts (Piper's layer)
+    assert all(spread == (experts is not None) for _, experts, _, _, spread in probes_for("deepspeed"))
+    assert probes_for("megatron") == PROBES
 
 
 @pytest.mark.parametrize("command", ["validate", "calibrate"])

@@ -1,0 +1,143 @@
+"""Train a Piper model spec with DeepSpeed-MoE and Piper's MoE layer on CPU ranks, instrumented (the
+DeepSpeed side of ``piper validate``; :mod:`piper_megatron.train` is the Megatron-Core side).
+
+The real DeepSpeed path: :func:`piper_deepspeed.builder.build_model` builds the Switch-style decoder
+for the plan (DeepSpeed ``MoE`` layers with ``ep_size = plan.ep``), :func:`piper_deepspeed.initialize`
+reads a ``"piper"`` block pinned to the plan, swaps in Piper's MoE layer and hands the engine a
+config with bf16 (DeepSpeed's BF16_Optimizer: fp32 master weights and gradients, as the memory model
+prices a non-distributed optimizer), ZeRO 0 and torch's Adam; each step runs ``engine(tokens)``,
+``engine.backward``, ``engine.step`` per micro-batch. Each rank measures, as the Megatron trainer does,
+the wall time of each step between two barriers, the bytes of its parameters and the peak of the
+activation storages held for backward (saved-tensor hooks). Pipeline parallel plans are refused
+(DeepSpeed's pipeline engine is not measured here).
+
+:func:`rank_main` is the rank side, for :func:`piper_core.emulate.run_local` and
+:func:`piper_core.emulate.run_emulated`; :func:`run` launches it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import os
+import time
+from typing import Any
+
+from piper_core.errors import SpecError
+from piper_core.specs.yamlio import to_dict
+from piper_core.validate.instrument import ActivationPeak, TrainJob, median
+
+TIMEOUT_S = 600.0
+
+
+def init_deepspeed_comm() -> None:
+    """Initialise ``deepspeed.comm`` over the existing torch.distributed group, without building
+    DeepSpeed's shared-memory all-reduce op: ``TorchBackend`` compiles it with g++ on first use
+    (~25 s, then cached) and it serves only ``inference_all_reduce``, which training never calls."""
+    import deepspeed.comm
+
+    # importlib: ``import deepspeed.comm.torch as m`` binds torch itself (deepspeed.comm re-exports it)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    os.environ.setdefault("LOCAL_RANK", "0")  # PipelineModule and the engine read it
+    deepspeed.comm.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
+
+
+def ds_config(job: TrainJob) -> dict[str, Any]:
+    """The DeepSpeed config of ``job``: its batch, bf16, ZeRO 0, Adam, and a piper block pinned to its
+    plan (so :func:`piper_deepspeed.initialize` rewrites nothing and runs the plan's all-to-all)."""
+    plan = job.plan
+    if plan.pp != 1 or plan.cp != 1 or plan.etp_size != 1:
+        from piper_core.export import plan_label
+
+        raise SpecError("plan", plan_label(plan),
+                        "the DeepSpeed trainer measures pp = cp = etp = 1 plans (no PipelineModule)",
+                        "validate pipeline-parallel plans with the Megatron-Core trainer")
+    if plan.attention_backend != "flash":
+        raise SpecError("attention_backend", plan.attention_backend, "Piper's DeepSpeed builder runs torch's "
+                        "scaled_dot_product_attention, which keeps no score matrix: the model prices it as flash",
+                        "set attention_backend=flash in the plan")
+    return {"train_batch_size": plan.global_batch_size, "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+            "gradient_accumulation_steps": plan.num_microbatches, "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 0},
+            "optimizer": {"type": "Adam", "params": {"lr": job.lr, "torch_adam": True}},
+            "piper": {"cluster": "cpu-local", "model": to_dict(job.model), "a2a": plan.a2a, "chunks": plan.a2a_chunks,
+                      "plan": {"ep": plan.ep, "mbs": plan.micro_batch_size}}}
+
+
+def _train(job: TrainJob) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import piper_deepspeed
+    from piper_deepspeed.builder import build_model, lm_loss
+
+    model, plan = job.model, job.plan
+    rank = dist.get_rank()
+    config = ds_config(job)
+    net = build_model(model, plan, seed=job.seed, aux_loss_coeff=0.0)
+    with contextlib.redirect_stdout(io.StringIO()):  # rank 0's plan report
+        engine, _, _, _ = piper_deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    mbs, m, s = plan.micro_batch_size, plan.num_microbatches, model.seq_length
+    g = torch.Generator().manual_seed(job.seed + rank)  # every DeepSpeed rank is a data-parallel rank
+    batches = [torch.randint(0, model.vocab_size, (mbs, s + 1), generator=g) for _ in range(m)]
+    excluded = {t.untyped_storage().data_ptr() for t in [*engine.module.parameters(), *batches]}
+    # sync_grads False (the host-overhead probe): no data-parallel gradient all-reduce, one rank's own work
+    engine.enable_backward_allreduce = job.sync_grads
+    steps, losses, peak = [], [], 0
+    for _ in range(job.steps):
+        ledger = ActivationPeak(excluded)
+        dist.barrier()
+        start = time.perf_counter()
+        total = 0.0
+        for batch in batches:
+            with torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack):
+                loss = lm_loss(engine(batch[:, :-1]), batch[:, 1:], aux_loss_coeff=0.0)
+                engine.backward(loss)
+            engine.step()
+            total += loss.detach().float().item()
+        dist.barrier()
+        steps.append(time.perf_counter() - start)
+        peak = max(peak, ledger.peak)
+        losses.append(total / m)
+    forward = []
+    for _ in range(job.forward_steps):
+        dist.barrier()
+        start = time.perf_counter()
+        with torch.no_grad():
+            for batch in batches:
+                engine(batch[:, :-1])
+        dist.barrier()
+        forward.append(time.perf_counter() - start)
+    params = list(engine.module.parameters())
+    return {"rank": rank, "pp_rank": 0, "ep_rank": rank % plan.ep, "step_s": steps,
+            "step_median_s": median(steps[job.warmup:]), "losses": losses, "forward_s": forward,
+            "params": sum(p.numel() for p in params), "param_bytes": sum(p.numel() * p.element_size() for p in params),
+            "activation_peak_bytes": peak, "moe_phases_ms_per_step": {},
+            "moe_classes": sorted({type(x).__name__ for x in engine.moe_layers})}
+
+
+def rank_main(info: Any, job_json: dict[str, Any]) -> dict[str, Any]:
+    """Target for the local / emulated launchers: train ``job_json`` with DeepSpeed on this rank."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
+    init_deepspeed_comm()
+    return _train(TrainJob.from_json(job_json))
+
+
+def run(job: TrainJob, *, nodes: int = 1, inter_node_mbit: float | None = None, timeout_s: float = TIMEOUT_S,
+        realtime: bool = False) -> list[dict[str, Any]]:
+    """Train ``job`` on ``job.plan.gpus`` ranks, local or on an emulated cluster of ``nodes`` nodes;
+    every rank's report in rank order (as :func:`piper_megatron.train.run`)."""
+    from piper_core.emulate import run_emulated, run_local
+
+    ds_config(job)  # refuse what the trainer cannot run before any process starts
+    world, target = job.plan.gpus, "piper_deepspeed.measure:rank_main"
+    if nodes == 1:
+        return run_local(world, target, [job.to_json()], timeout_s=timeout_s, realtime=realtime)
+    if world % nodes:
+        raise ValueError(f"nodes={nodes}: must divide the plan's gpus ({world})")
+    return run_emulated(nodes, world // nodes, inter_node_mbit, target, [job.to_json()], timeout_s=timeout_s,
+                        realtime=realtime)
