@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import shutil
 from pathlib import Path
 
 from piper_core.calibrate.run import Calibration, CalibrateOptions, calibrate
@@ -36,8 +37,11 @@ def parse_topology(name: str) -> Topology:
 
 
 def calibrate_topology(name: str, out: Path, *, quick: bool, base: str = "cpu-local",
-                       timeout_per_bench_s: float | None = None, realtime: bool = False) -> Calibration:
-    """Run ``piper calibrate`` for topology ``name`` and write the profile to ``out`` (cache next to it)."""
+                       timeout_per_bench_s: float | None = None, realtime: bool = False,
+                       fresh: bool = False) -> Calibration:
+    """Run ``piper calibrate`` for topology ``name`` and write the profile to ``out`` (cache next to it).
+    ``fresh``: measure everything again (the cache next to ``out`` is removed first): a cached
+    benchmark from an earlier hour describes the machine of that hour."""
     topology = dataclasses.replace(parse_topology(name), realtime=realtime)
     emulate = (f"--emulate {topology.nodes}x{topology.ranks_per_node} --inter-node-mbit {topology.inter_node_mbit:g}"
                if topology.emulated else f"--ranks {topology.ranks_per_node}")
@@ -47,4 +51,6 @@ def calibrate_topology(name: str, out: Path, *, quick: bool, base: str = "cpu-lo
                + (" --realtime" if realtime else "") + (f" --framework {framework}" if framework != "megatron" else ""))
     options = CalibrateOptions(out=Path(out), topology=topology, base=base, quick=quick,
                                timeout_per_bench_s=timeout, command=command, framework=framework)
+    if fresh and options.cache_dir.is_dir():
+        shutil.rmtree(options.cache_dir)
     return calibrate(options)

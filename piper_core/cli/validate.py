@@ -26,8 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--profiles", type=Path, default=DEFAULT_PROFILES,
                    help=f"directory of calibrated profiles, one per topology (default {DEFAULT_PROFILES})")
-    p.add_argument("--recalibrate", action="store_true", help="calibrate again even where a profile exists")
-    p.add_argument("--steps", type=int, default=None, help="training steps per case (default 6; 2 untimed)")
+    p.add_argument("--recalibrate", action="store_true", help="calibrate again, measuring everything afresh (no cached benchmarks), even where a profile exists")
+    p.add_argument("--steps", type=int, default=None, help="training steps per case (default 12; the first 3 untimed)")
     p.add_argument("--json", type=Path, metavar="FILE", help="write the rows and the verdict as JSON")
     p.add_argument("--plot", type=Path, metavar="DIR", help="write DIR/validation_scatter.png")
     p.add_argument("--realtime", action="store_true",
@@ -47,7 +47,7 @@ def profiles_for(topologies: list[str], directory: Path, *, recalibrate: bool, q
         path = directory / f"{topo}.yaml"
         if recalibrate or not path.is_file():
             print(f"piper: calibrating {topo} -> {path} (piper calibrate{' --quick' if quick else ''})", file=sys.stderr)
-            calibrate_topology(topo, path, quick=quick, realtime=realtime)
+            calibrate_topology(topo, path, quick=quick, realtime=realtime, fresh=recalibrate)
         out[topo] = load_cluster(str(path))
     return out
 

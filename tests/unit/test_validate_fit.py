@@ -123,3 +123,19 @@ def test_realtime_without_the_right_is_a_clear_error(monkeypatch, capsys, tmp_pa
     err = capsys.readouterr().err
     assert "--realtime=True" in err and "SCHED_FIFO" in err and "without --realtime" in err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_recalibrating_measures_afresh(monkeypatch, tmp_path, fresh):
+    """`piper validate --recalibrate` (fresh): the cached benchmarks of an earlier hour are removed
+    before calibrating, so the profile describes the machine now; without it the cache resumes."""
+    import piper_core.calibrate.api as api
+
+    out = tmp_path / "local-2.yaml"
+    cache = tmp_path / "local-2.cache"
+    cache.mkdir()
+    (cache / "gemm-0.json").write_text("{}")
+    seen = {}
+    monkeypatch.setattr(api, "calibrate", lambda options: seen.setdefault("cache_left", options.cache_dir.is_dir()))
+    api.calibrate_topology("local-2", out, quick=True, fresh=fresh)
+    assert seen["cache_left"] is (not fresh)
