@@ -46,7 +46,7 @@ from piper_core.export import deepspeed_compatible
 from piper_core.resource.memory import GIB
 from piper_core.resource.predict import Prediction, predict, to_json
 from piper_core.runtime import NodeTopology
-from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS
+from piper_core.runtime.autochunks import ADAPTER_TUNING
 from piper_core.scheduler.search import SearchResult, best_predictions, search
 from piper_core.scheduler.space import SearchSpace, default_space
 from piper_core.specs.cluster import ClusterSpec
@@ -268,8 +268,8 @@ def report(choice: PlanChoice, changes: list[Change], config: Mapping[str, Any],
     if plan.ep > 1:
         tuned = (config.get(BLOCK) or {}).get("chunks") == "tune"
         chunks = f"{plan.a2a_chunks} chunks" if not tuned else (
-            f"a chunk count measured per layer at run time ({'/'.join(map(str, ADAPTER_CANDIDATES))} chunks, "
-            f"{ADAPTER_TRIALS} steps each, then the fastest; planned with {plan.a2a_chunks})")
+            f"a chunk count measured per layer at run time ({ADAPTER_TUNING}, then the fastest; "
+            f"planned with {plan.a2a_chunks})")
         how = {"flat": "flat", "hierarchical": "hierarchical (intra-node stage, then inter-node)",
                "pipelined": f"pipelined: flat exchanges in {chunks} overlapping the experts"}
         lines.append(f"piper: {p.model.num_moe_layers} MoE layers with ep_size {plan.ep} run Piper's all-to-all, "

@@ -26,7 +26,7 @@ from typing import Any
 
 from piper_core.errors import SpecError
 from piper_core.specs.yamlio import to_dict
-from piper_core.validate.instrument import ActivationPeak, TrainJob, median
+from piper_core.validate.instrument import ActivationPeak, TrainJob, launch, median
 
 TIMEOUT_S = 600.0
 
@@ -131,13 +131,6 @@ def run(job: TrainJob, *, nodes: int = 1, inter_node_mbit: float | None = None, 
         realtime: bool = False) -> list[dict[str, Any]]:
     """Train ``job`` on ``job.plan.gpus`` ranks, local or on an emulated cluster of ``nodes`` nodes;
     every rank's report in rank order (as :func:`piper_megatron.train.run`)."""
-    from piper_core.emulate import run_emulated, run_local
-
     ds_config(job)  # refuse what the trainer cannot run before any process starts
-    world, target = job.plan.gpus, "piper_deepspeed.measure:rank_main"
-    if nodes == 1:
-        return run_local(world, target, [job.to_json()], timeout_s=timeout_s, realtime=realtime)
-    if world % nodes:
-        raise ValueError(f"nodes={nodes}: must divide the plan's gpus ({world})")
-    return run_emulated(nodes, world // nodes, inter_node_mbit, target, [job.to_json()], timeout_s=timeout_s,
-                        realtime=realtime)
+    return launch("piper_deepspeed.measure:rank_main", job, nodes=nodes, inter_node_mbit=inter_node_mbit,
+                  timeout_s=timeout_s, realtime=realtime)

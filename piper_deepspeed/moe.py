@@ -50,7 +50,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from piper_core.errors import SpecError
 from piper_core.runtime import A2AComm, Algorithm, AutoChunks, NodeTopology, ScheduleEvent, create_comm, exchange_counts
 from piper_core.runtime import moe_alltoall, plan_dispatch
-from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS
+from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS, ADAPTER_TUNING
 
 # Deadline of each wait of Piper's all-to-all (piper_core.runtime.timeouts). A training step can
 # legitimately stall a peer for a while (checkpointing, a first-step compile), so the runtime's
@@ -86,7 +86,7 @@ class A2ASettings:
     def label(self) -> str:
         if self.tune:
             return (f"{self.algorithm.value}, chunk count measured per layer at run time "
-                    f"({'/'.join(map(str, ADAPTER_CANDIDATES))} chunks, {ADAPTER_TRIALS} steps each)")
+                    f"({ADAPTER_TUNING})")
         return self.algorithm.value + (f" in {self.chunks} pipelined chunks" if self.chunks > 1 else "")
 
 

@@ -205,9 +205,9 @@ def dispatcher_description(planned: Planned) -> str | None:
     if not planned.model.is_moe:
         return None
     if planned.pins.tune:
-        from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS
-        chunks = (f"chunk count measured per MoE layer at run time ({'/'.join(map(str, ADAPTER_CANDIDATES))} "
-                  f"chunks, {ADAPTER_TRIALS} steps each, then the fastest; planned with {plan.a2a_chunks})")
+        from piper_core.runtime.autochunks import ADAPTER_TUNING
+        chunks = (f"chunk count measured per MoE layer at run time ({ADAPTER_TUNING}, then the fastest; "
+                  f"planned with {plan.a2a_chunks})")
     else:
         chunks = f"{plan.a2a_chunks} chunks"
     a2a = {"flat": "Piper flat all-to-all", "hierarchical": "Piper hierarchical all-to-all (intra-node, then "

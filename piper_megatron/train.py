@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from piper_core.validate.instrument import ActivationPeak, TrainJob, median, summary
+from piper_core.validate.instrument import ActivationPeak, TrainJob, launch, median, summary
 
 __all__ = ["ActivationPeak", "TrainJob", "rank_main", "run", "summary"]
 
@@ -194,16 +194,8 @@ def run(job: TrainJob, *, nodes: int = 1, inter_node_mbit: float | None = None,
     """Train ``job`` on ``job.plan.gpus`` ranks: local (``nodes == 1``) or on an emulated cluster of
     ``nodes`` nodes (root; links shaped to ``inter_node_mbit``). Every rank's report, in rank order.
     ``realtime``: ranks under SCHED_FIFO (see :func:`piper_core.emulate.launch.launch`)."""
-    from piper_core.emulate import run_emulated, run_local
-
-    world = job.plan.gpus
-    target = "piper_megatron.train:rank_main"
-    if nodes == 1:
-        return run_local(world, target, [job.to_json()], timeout_s=timeout_s, realtime=realtime)
-    if world % nodes:
-        raise ValueError(f"nodes={nodes}: must divide the plan's gpus ({world})")
-    return run_emulated(nodes, world // nodes, inter_node_mbit, target, [job.to_json()], timeout_s=timeout_s,
-                        realtime=realtime)
+    return launch("piper_megatron.train:rank_main", job, nodes=nodes, inter_node_mbit=inter_node_mbit,
+                  timeout_s=timeout_s, realtime=realtime)
 
 
 # ---- command line ---------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ from piper_core.runtime.groups import A2AComm
 #: ``"chunks": "tune"``): these counts, this many steps each, one :class:`AutoChunks` per MoE layer.
 ADAPTER_CANDIDATES: tuple[int, ...] = (1, 2, 4, 8)
 ADAPTER_TRIALS = 3
+#: How the adapters' reports name that schedule ("1/2/4/8 chunks, 3 steps each").
+ADAPTER_TUNING = f"{'/'.join(map(str, ADAPTER_CANDIDATES))} chunks, {ADAPTER_TRIALS} steps each"
 
 
 class AutoChunks:

@@ -101,6 +101,22 @@ class ActivationPeak:
         return box.tensor if isinstance(box, _Box) else box
 
 
+def launch(target: str, job: TrainJob, *, nodes: int, inter_node_mbit: float | None, timeout_s: float,
+           realtime: bool) -> list[dict[str, Any]]:
+    """Run ``target(info, job_json)`` on ``job.plan.gpus`` ranks: local (``nodes == 1``) or on an
+    emulated cluster of ``nodes`` nodes (root; links shaped to ``inter_node_mbit``); every rank's
+    report, in rank order. ``realtime``: ranks under SCHED_FIFO (:func:`piper_core.emulate.launch.launch`)."""
+    from piper_core.emulate import run_emulated, run_local
+
+    world = job.plan.gpus
+    if nodes == 1:
+        return run_local(world, target, [job.to_json()], timeout_s=timeout_s, realtime=realtime)
+    if world % nodes:
+        raise ValueError(f"nodes={nodes}: must divide the plan's gpus ({world})")
+    return run_emulated(nodes, world // nodes, inter_node_mbit, target, [job.to_json()], timeout_s=timeout_s,
+                        realtime=realtime)
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
