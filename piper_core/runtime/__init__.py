@@ -30,8 +30,10 @@ API (stable; the benchmarks and the adapters build on it)::
         # chunks: an int, or an AutoChunks (below) that picks it by measurement
     dispatch(x, meta, *, probs=None) -> (tokens grouped by local expert, probs)   # chunks == 1
     combine(y, meta) -> Tensor                                                     # chunks == 1
-    moe_alltoall(x, meta, experts, *, probs=None, on_event=None) -> Tensor  # pipelined, any chunks
+    moe_alltoall(x, meta, experts, *, probs=None, params=(), on_event=None) -> Tensor  # pipelined, any chunks
         # experts(tokens [T, ...], tokens_per_expert: tuple[int, ...], probs [T, ...] | None) -> [T, ...]
+        # params: the experts' parameters; each gets ONE gradient accumulation per backward whatever
+        # the chunk count (per-parameter hooks such as DDP's grad-ready counting fire once)
 
     # the chunk count chosen at run time (Tutel's adaptive pipelining degree; see .autochunks)
     AutoChunks(comm, *, candidates=(1, 2, 4), trials=3, margin=0.05, device=None)

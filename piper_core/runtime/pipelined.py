@@ -18,10 +18,25 @@ the autograd engine: the engine orders nodes by their creation sequence and read
 on the expert function's graph; a rank whose graph differs (say, an expert skipped for having no
 tokens) could post its collectives in another order and, on gloo, exchange the wrong data silently.
 Here the order is fixed by this code. The expert graph of each chunk is built in forward on detached
-inputs and run backward with ``torch.autograd.backward`` (as reentrant activation checkpointing
-does): parameter gradients accumulate into ``.grad`` as usual; ``torch.autograd.grad`` with respect
-to expert parameters is not supported, and the expert function may depend only on its arguments
-and on leaf tensors (its parameters). ``chunks == 1`` runs exactly the unpipelined path.
+inputs and run backward chunk by chunk (as reentrant activation checkpointing does); the expert
+function may depend only on its arguments and on leaf tensors (its parameters).
+``chunks == 1`` runs exactly the unpipelined path.
+
+Parameter gradients, and why ``params`` matters: a parameter used by ``C`` chunks would receive
+``C`` separate accumulations if each chunk's graph were run backward into ``.grad``, and every
+per-parameter gradient hook would fire ``C`` times. Frameworks count those hooks: Megatron-Core's
+DDP with ``overlap_grad_reduce`` records in its first step how often each parameter's hook fires
+(``_ParamAndGradBuffer`` bucket groups, ``golden_per_param_grad_ready_counts``) and launches a
+bucket's reduction when the counts match again, so a chunk count that changes between steps
+(``AutoChunks``) launches the reduction after the first chunk's gradient (wrong gradients, silently)
+or never (an assertion in ``finish_grad_sync``); DeepSpeed's ZeRO-2 allows one reduce per parameter.
+Pass the experts' parameters as ``params``: each chunk's backward then computes their gradients with
+``torch.autograd.grad`` (no accumulation, no hook), the call sums them over the chunks and hands the
+sum to autograd as the gradient of its own inputs, so each parameter gets exactly one accumulation
+per backward, as with an unchunked layer, whatever the chunk count. Every parameter the experts use
+must be in ``params`` (a leaf left out would get no gradient at all); parameters that received no
+gradient in any chunk get zeros, so their hooks fire as well. Without ``params`` the chunks
+accumulate into ``.grad`` directly (hooks fire once per chunk).
 
 When ``meta`` was planned with an :class:`~piper_core.runtime.autochunks.AutoChunks` that is still
 measuring (``meta.tuner``), the call times its forward and its backward (each from entry to return,
@@ -31,7 +46,7 @@ experts included) and reports the sum to the tuner.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar
 
@@ -67,27 +82,30 @@ _T = TypeVar("_T")
 
 
 def moe_alltoall(x: torch.Tensor, meta: DispatchMeta, experts: ExpertFn, *, probs: torch.Tensor | None = None,
-                 on_event: EventFn | None = None) -> torch.Tensor:
+                 params: Sequence[torch.Tensor] = (), on_event: EventFn | None = None) -> torch.Tensor:
     """Dispatch ``x`` ``[rows_in, ...]`` (and ``probs`` ``[rows_in, ...]``, moved alongside) to the
     experts, run ``experts`` per chunk, combine: -> ``[rows_in, ...]`` in ``x``'s order.
-    Differentiable in ``x``, ``probs`` and the experts' parameters; ``meta`` from ``plan_dispatch``."""
+    Differentiable in ``x``, ``probs`` and the experts' parameters; ``meta`` from ``plan_dispatch``.
+    ``params``: every parameter the experts use; each then gets one gradient accumulation per
+    backward whatever the chunk count (see the module doc; the adapters always pass them)."""
     for key, t in (("x", x), ("probs", probs)):
         if t is not None and t.shape[0] != meta.rows_in:
             raise SpecError(f"{key}.shape[0]", t.shape[0], f"must equal the tokens this rank sends "
                             f"({meta.rows_in}, the sum of its row of counts)",
                             "plan_dispatch with this step's counts; sort tokens by expert")
     check_device(x, meta.device, "plan_dispatch")
-    run = _Run(meta=meta, experts=experts, on_event=on_event, x=x, probs=probs)
+    trained = tuple(p for p in params if p.requires_grad)
+    run = _Run(meta=meta, experts=experts, on_event=on_event, x=x, probs=probs, params=trained)
     if not torch.is_grad_enabled():
         return run.timed(run.forward, x, probs, build_graph=False)
     anchor = torch.empty(0, requires_grad=True)  # the output needs a graph even if only parameters do
-    return _Pipelined.apply(run, x, probs, anchor)
+    return _Pipelined.apply(run, x, probs, anchor, *trained)
 
 
 class _Pipelined(torch.autograd.Function):
     @staticmethod
     def forward(ctx, run: _Run, x: torch.Tensor, probs: torch.Tensor | None,  # type: ignore[override]
-                anchor: torch.Tensor) -> torch.Tensor:
+                anchor: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.run = run
         return run.timed(run.forward, x, probs, build_graph=True)
 
@@ -96,17 +114,18 @@ class _Pipelined(torch.autograd.Function):
         if ctx.run is None:
             raise RuntimeError("moe_alltoall: backward ran twice through one call; the experts' graphs are "
                                "freed after the first (retain_graph is not supported); run the layer again")
-        gx, gp = ctx.run.timed(ctx.run.backward, grad)
-        ctx.run = None
-        return None, gx, gp, None
+        run, ctx.run = ctx.run, None
+        gx, gp = run.timed(run.backward, grad)
+        return None, gx, gp, None, *run.param_grads()
 
 
 class _Run:
     """The state of one call (what forward keeps for backward); never outlives it."""
 
     def __init__(self, *, meta: DispatchMeta, experts: ExpertFn, on_event: EventFn | None,
-                 x: torch.Tensor, probs: torch.Tensor | None):
-        self.meta, self.experts, self.on_event = meta, experts, on_event
+                 x: torch.Tensor, probs: torch.Tensor | None, params: tuple[torch.Tensor, ...] = ()):
+        self.meta, self.experts, self.on_event, self.params = meta, experts, on_event, params
+        self.grads: list[torch.Tensor | None] = [None] * len(params)  # summed over the chunks' backward
         self.kinds = [(t.dtype, tuple(t.shape[1:])) for t in (x, probs) if t is not None]
         self.saved: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None] = []
         self.inflight: list[PendingExchange] = []
@@ -200,10 +219,22 @@ class _Run:
         tokens, probs, out = self.saved[k]  # type: ignore[misc]
         self.saved[k] = None
         self._event("backward", "experts", "none", k)
-        if out.requires_grad:
+        inputs = [t for t in (tokens, probs) if t is not None]
+        if not out.requires_grad:
+            got: list[torch.Tensor | None] = [None] * (len(inputs) + len(self.params))
+        elif self.params:  # gradients returned, not accumulated: one accumulation per parameter in backward()
+            got = list(torch.autograd.grad(out, [*inputs, *self.params], grad_out, allow_unused=True))
+        else:
             torch.autograd.backward(out, grad_out)
-        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in (tokens, probs) if t is not None]
-        return pack(grads)
+            got = [t.grad for t in inputs]
+        for i, g in enumerate(got[len(inputs):]):
+            if g is not None:
+                self.grads[i] = g if self.grads[i] is None else self.grads[i] + g
+        return pack([g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, got)])
+
+    def param_grads(self) -> list[torch.Tensor]:
+        """Each of ``params``' gradient summed over the chunks (zeros where no chunk gave one)."""
+        return [g if g is not None else torch.zeros_like(p) for p, g in zip(self.params, self.grads)]
 
 
 def pack(parts: list[torch.Tensor | None]) -> torch.Tensor:

@@ -239,3 +239,39 @@ def test_chunks_and_counts_errors_name_the_rule() -> None:
     with pytest.raises(SpecError, match=r"counts=\(2, 3\): must be an integer \[2, E\] matrix, E > 0 a multiple "
                                         r"of the group size 2"):
         plan_dispatch([[1, 1, 1], [1, 1, 1]], comm=_Comm(), algorithm=Algorithm.FLAT)
+
+
+# --- one gradient accumulation per parameter, whatever the chunk count ------------------------------
+
+def _accumulations(rank: int, world: int) -> dict[str, object]:
+    """Per chunk count: how often each expert parameter's post-accumulate hook fired in one backward,
+    with and without ``params``, and whether the gradients equal the reference's."""
+    comm = create_comm(NodeTopology.uniform(world_size=world, ranks_per_node=1))
+    counts = moe_cases(world, 5)[0][1]
+    x, probs = _inputs(rank, counts, 5)
+    up = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    experts = LinearExperts(counts.shape[1] // world, 7 + rank)
+    fired = {"w": 0, "b": 0}
+    experts.w.register_post_accumulate_grad_hook(lambda p: fired.__setitem__("w", fired["w"] + 1))
+    experts.b.register_post_accumulate_grad_hook(lambda p: fired.__setitem__("b", fired["b"] + 1))
+    want = _fwd_bwd(lambda a, p: reference_moe(a, p, counts, experts, rank), x, probs, experts, up)
+    out: dict[str, object] = {}
+    for chunks in (1, 3, 2, 5):  # a count that changes between calls, as AutoChunks hands them out
+        meta = plan_dispatch(counts, comm=comm, algorithm=Algorithm.HIERARCHICAL, chunks=chunks)
+        for params in ((experts.w, experts.b), ()):
+            fired.update(w=0, b=0)
+            got = _fwd_bwd(lambda a, p: moe_alltoall(a, meta, experts, probs=p, params=params), x, probs, experts, up)
+            out[f"chunks={chunks} params={bool(params)}"] = (dict(fired), _same(got, want, exact=False))
+    return out
+
+
+def test_params_get_one_accumulation_per_backward_at_any_chunk_count() -> None:
+    """With ``params`` each expert parameter's gradient is accumulated once per backward (so hooks
+    that count accumulations, like Megatron DDP's grad-ready counting, see the same count at every
+    chunk count); without, once per chunk. Both give the reference's gradients."""
+    for rank, result in enumerate(run_ranks(2, _accumulations, timeout_s=120)):
+        for chunks in (1, 3, 2, 5):
+            fired, same = result[f"chunks={chunks} params=True"]
+            assert fired == {"w": 1, "b": 1} and same, (rank, chunks, fired, same)
+            fired, same = result[f"chunks={chunks} params=False"]
+            assert fired == {"w": chunks, "b": chunks} and same, (rank, chunks, fired, same)
