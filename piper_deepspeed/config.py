@@ -16,10 +16,13 @@ Keys (the block ``piper plan --export-deepspeed`` writes loads unchanged; ``pipe
       "model": "switch-1t",         # model preset, ModelSpec YAML path or ModelSpec mapping; optional
                                     # when the model was built by piper_deepspeed.builder
       "a2a": "auto",                # auto | flat | hierarchical | pipelined
-      "chunks": "auto",             # pipeline chunks of the pipelined all-to-all: int >= 2 | auto |
+      "chunks": "auto",             # pipeline chunks of the pipelined all-to-all: int >= 2 (with a2a
+                                    # auto too: pipelined in that many chunks) | 1 (with a2a auto, flat
+                                    # or hierarchical: unpipelined; an error with pipelined) | auto |
                                     # tune (each MoE layer measures 1/2/4/8 chunks, 3 steps each, then
                                     # keeps the fastest; the plan is searched among pipelined ones)
-      "memory_headroom": 0.0,       # fraction of usable GPU memory the plan keeps free, in [0, 1)
+      "memory_headroom": 0.0,       # fraction of usable GPU memory the plan keeps free, in [0, 1);
+                                    # a pinned plan over the limit is refused too
       "plan_only": false,           # true: rank 0 prints the plan, then PlanOnly (SystemExit 0)
       "trace": null,                # directory: per-rank JSON lines of the all-to-all schedule, plan.json
       "plan": {"tp": 1, "pp": 1, "ep": 8, "etp": 1, "cp": 1, "vpp": 1, "mbs": 2, "recompute": "none"},
@@ -113,17 +116,33 @@ class PiperConfig(DeepSpeedConfigModel):
         if self.chunks == "tune" and self.a2a in ("flat", "hierarchical"):
             raise SpecError("piper.chunks", "tune", f'tuning measures the pipelined all-to-all\'s chunk count, and a2a '
                             f'"{self.a2a}" is unpipelined', 'set "a2a": "pipelined" (or "auto") or remove "chunks"')
-        if self.a2a == "pipelined" and self.chunks == 1:
-            raise SpecError("piper.chunks", 1, 'a2a "pipelined" needs chunks >= 2 (one chunk is the flat '
-                            "all-to-all)", 'set chunks to 2, 4, 8 or "auto", or "a2a": "flat"')
+        if self.a2a == "pipelined" and self.chunks == 1:  # as --piper-chunks 1 --piper-a2a pipelined (Megatron)
+            raise SpecError("piper.chunks", 1, 'a2a "pipelined" needs chunks >= 2 (it overlaps chunk k+1\'s exchange '
+                            "with chunk k's experts; one chunk is the flat all-to-all)",
+                            'set chunks to 2, 4, 8 or "auto", or "a2a": "flat"')
+
+    @property
+    def requested_exchange(self) -> tuple[str, Any] | None:
+        """The key and value that ask for a particular expert all-to-all (None: ``a2a`` auto with
+        ``chunks`` auto or 1). Such a request is honoured or refused, never dropped: the search keeps
+        only ep > 1 plans (the Megatron adapter's ``restrict`` does the same for ``--piper-a2a``)."""
+        if self.a2a != "auto":
+            return "piper.a2a", self.a2a
+        if self.chunks == "tune" or (isinstance(self.chunks, int) and self.chunks >= 2):
+            return "piper.chunks", self.chunks
+        return None
 
     def a2a_choices(self) -> tuple[tuple[str, int], ...]:
-        """(a2a, chunks) variants the scheduler may pick from, as ``SearchSpace.a2a``."""
-        chunks = AUTO_CHUNKS if self.chunks in ("auto", "tune") else (self.chunks,)
-        pipelined = tuple(("pipelined", c) for c in chunks if c >= 2)
-        if self.a2a == "auto" and self.chunks != "tune":
-            return (("flat", 1), ("hierarchical", 1)) + pipelined
-        return pipelined if self.a2a == "pipelined" else ((self.a2a, 1),)
+        """(a2a, chunks) variants the scheduler may pick from, as ``SearchSpace.a2a``. A chunk count
+        >= 2 or ``tune`` means the pipelined all-to-all, with ``a2a`` auto too (as ``--piper-chunks N``
+        does for Megatron); chunks 1 means an unpipelined one (flat or hierarchical)."""
+        if self.a2a == "pipelined" or self.chunks == "tune" or (isinstance(self.chunks, int) and self.chunks >= 2):
+            counts = AUTO_CHUNKS if self.chunks in ("auto", "tune") else (self.chunks,)  # (1, pipelined): refused
+            return tuple(("pipelined", c) for c in counts)
+        if self.a2a != "auto":
+            return ((self.a2a, 1),)
+        unpipelined = (("flat", 1), ("hierarchical", 1))
+        return unpipelined if self.chunks == 1 else unpipelined + tuple(("pipelined", c) for c in AUTO_CHUNKS)
 
     def cluster_spec(self) -> ClusterSpec:
         """The cluster to plan for: the profile's calibrated cluster, or the ``cluster`` preset/YAML."""

@@ -7,7 +7,9 @@ with the very same arguments. Otherwise, in this order:
    engine refuses it only after building the ZeRO-3 optimizer, ``_validate_zero3_moe_compatibility``);
 2. the scheduler searches the plans DeepSpeed can express for the world size (tp = cp = vpp = etp = 1,
    pipeline stages only for a ``PipelineModule`` and only even splits, no recompute or optimizer
-   offload, which Piper cannot impose on a user's model), or takes the block's pinned ``plan``;
+   offload, which Piper cannot impose on a user's model; only ep > 1 when the block names an
+   all-to-all), or takes the block's pinned ``plan`` (refused over the memory limit the search
+   applies, ``memory_headroom`` included);
 3. the config is rewritten (a copy): ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``
    (``train_batch_size`` kept, so the three agree), ``zero_optimization.stage`` (the user's stage is
    a floor: the plan's distributed optimizer needs >= 1), ``pipeline.stages``, and the block itself
@@ -15,7 +17,9 @@ with the very same arguments. Otherwise, in this order:
 4. the model is checked against the plan (each MoE layer's ``ep_size``, experts, top-k and width;
    a ``PipelineModule``'s stage count): a conflict is an error naming the layer;
 5. every DeepSpeed ``MOELayer`` with ep > 1 is swapped for :class:`PiperMOELayer`; ``deepspeed.initialize``
-   builds the engine; Piper's all-to-all groups are created over DeepSpeed's expert-parallel groups.
+   builds the engine from the rewritten config less the block (plain ``deepspeed.initialize`` refuses
+   an active block, :mod:`piper_deepspeed.guard`), which is then put back in ``engine.config``;
+   Piper's all-to-all groups are created over DeepSpeed's expert-parallel groups.
 
 :func:`plan_for` runs steps 1-2 without a model or torch.distributed (to build the model for the plan
 with :func:`piper_deepspeed.builder.build_model` first).
@@ -54,6 +58,7 @@ from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_deepspeed.builder import MODEL_SPEC_ATTR
 from piper_deepspeed.config import BLOCK, PiperConfig, read_block
+from piper_deepspeed.guard import user_config
 from piper_deepspeed.moe import A2ASettings, Tracer, attach_comm, moe_modules, swap_moe_layers
 
 TOP = 3  # plans shown in the printout
@@ -130,10 +135,20 @@ def global_batch(config: Mapping[str, Any], world_size: int, stages: int) -> int
 
 def deepspeed_space(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, world_size: int, *,
                     pipeline: bool, min_stage: int) -> SearchSpace:
-    """The plans DeepSpeed(-MoE) can run (see the module doc)."""
+    """The plans DeepSpeed(-MoE) can run (see the module doc). An explicit all-to-all
+    (``block.requested_exchange``) keeps only ep > 1, as the Megatron adapter's ``restrict`` does; with
+    none left it is refused, never dropped for an ep = 1 plan."""
     base = default_space(model, cluster, world_size)
     pp = tuple(p for p in base.pp if model.num_layers % p == 0 and world_size % p == 0) if pipeline else (1,)
-    return SearchSpace(tp=(1,), pp=pp, vpp=(1,), cp=(1,), ep=base.ep, etp_equals_tp=(False,), mbs=base.mbs,
+    ep, request = base.ep, block.requested_exchange
+    if request is not None:
+        ep = tuple(e for e in base.ep if e > 1) if model.is_moe else ()
+        if not ep:
+            why = f"{model.name} has no experts" if not model.is_moe else \
+                f"no ep > 1 is possible on {world_size} rank{'s' if world_size > 1 else ''}"
+            raise _needs_ep(request, why, 'run on more ranks, or set "a2a" and "chunks" to "auto" (or remove them) '
+                            "to plan without an expert all-to-all")
+    return SearchSpace(tp=(1,), pp=pp, vpp=(1,), cp=(1,), ep=ep, etp_equals_tp=(False,), mbs=base.mbs,
                        recompute=("none",), distributed_optimizer=(True,) if min_stage >= 1 else (True, False),
                        a2a=block.a2a_choices() if model.is_moe else (("flat", 1),),
                        memory_savers=((False, 0.0),))
@@ -168,18 +183,29 @@ def plan_for(config: Mapping[str, Any] | str, world_size: int, *, pipeline: bool
         top = tuple(p for p in best_predictions(spec, cluster, result, TOP) if deepspeed_compatible(p.plan) is None)
         if not top:
             rejected = ", ".join(f"{n} {why}" for why, n in result.rejected.most_common()) or "none"
+            request = block.requested_exchange
+            only = f", ep > 1 only as {request[0]}={request[1]!r} asks" if request else ""
             raise Infeasible(f"no plan DeepSpeed can run fits {spec.name} on {world_size} ranks of {cluster.name} at "
-                             f"global batch {gbs} (searched {result.candidates} plans; rejected: {rejected}); add "
-                             "ranks, change train_batch_size or lower piper.memory_headroom", rule="deepspeed")
+                             f"global batch {gbs} (searched {result.candidates} plans{only}; rejected: {rejected}); "
+                             "add ranks, change train_batch_size or lower piper.memory_headroom"
+                             + (', or set "a2a" and "chunks" to "auto"' if request else ""), rule="deepspeed")
         best = top[0]
     stage = max(user_stage, 1 if best.plan.distributed_optimizer else 0)
     return PlanChoice(prediction=best, search=result, top=top, world_size=world_size, global_batch=gbs,
                       zero_stage=stage, user_zero_stage=user_stage, pipeline=pipeline)
 
 
+def _needs_ep(request: tuple[str, Any], why: str, fix: str) -> SpecError:
+    key, value = request
+    return SpecError(key, value, f"asks for an expert all-to-all, which needs expert parallelism (ep > 1), and "
+                     f"{why}", fix)
+
+
 def _pinned(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, world_size: int, gbs: int, *,
             pipeline: bool, min_stage: int) -> Prediction:
-    """The pinned plan, with the block's all-to-all (auto: the fastest predicted variant)."""
+    """The pinned plan, with the block's all-to-all (auto: the fastest predicted variant). Refused
+    when it exceeds the memory limit the search applies (capacity less ``memory_headroom``), or when
+    it has ep = 1 and the block asks for an exchange other than flat (the export's value for ep = 1)."""
     pin = block.plan
     if pin.recompute != "none":
         raise SpecError("piper.plan.recompute", pin.recompute, "Piper cannot make a DeepSpeed model recompute",
@@ -197,9 +223,22 @@ def _pinned(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, world_si
     if reason is not None:
         raise SpecError("piper.plan", pin.model_dump(), f"cannot be expressed in DeepSpeed ({reason})",
                         "remove piper.plan to let Piper search the plans DeepSpeed can run")
+    request = block.requested_exchange
+    if (pin.ep == 1 or not model.is_moe) and request not in (None, ("piper.a2a", "flat")):
+        raise _needs_ep(request, "piper.plan pins ep=1", 'pin ep > 1 in piper.plan, or set "a2a" to "auto" or '
+                        '"flat" and remove "chunks"')
     variants = block.a2a_choices() if model.is_moe and pin.ep > 1 else (("flat", 1),)
     preds = [predict(model, cluster, dataclasses.replace(base, a2a=a, a2a_chunks=c)) for a, c in variants]
-    return max(preds, key=lambda p: p.rate.tokens_per_s)
+    best = max(preds, key=lambda p: p.rate.tokens_per_s)
+    limit = cluster.capacity_gib * GIB * (1.0 - block.memory_headroom)  # search()'s limit
+    if best.peak_stage.total > limit:
+        less = f" less memory_headroom {block.memory_headroom:g}" if block.memory_headroom else ""
+        raise SpecError("piper.plan", pin.model_dump(), f"is predicted to need {best.peak_stage.total / GIB:.2f} GiB "
+                        f"per GPU at its peak, over the {limit / GIB:.2f} GiB limit the search applies "
+                        f"({cluster.name}'s usable {cluster.capacity_gib:.2f} GiB{less})",
+                        "pin a plan that fits (a larger ep or a smaller mbs), lower piper.memory_headroom, or remove "
+                        "piper.plan to let Piper search")
+    return best
 
 
 def node_topology(cluster: ClusterSpec, world_size: int) -> NodeTopology:
@@ -253,12 +292,13 @@ def report(choice: PlanChoice, changes: list[Change], config: Mapping[str, Any],
         body = render(p.model.name, p.cluster.name, choice.world_size, choice.global_batch, choice.search,
                       list(choice.top))
         lines += ["  " + line for line in body.splitlines()[1:]]
-    else:
-        fits = "fits" if p.feasible else "does NOT fit"
+    else:  # pinned: _pinned refuses a plan over the memory limit, so this one fits
+        headroom = (config.get(BLOCK) or {}).get("memory_headroom") or 0
+        kept = f", memory_headroom {headroom:g}" if headroom else ""
         lines += [f"  plan pinned by piper.plan: {describe(plan)}",
                   f"  predicted MFU {100 * p.rate.mfu:.1f}%, step {p.time.step:.3f} s, {p.rate.tokens_per_s:,.0f} "
-                  f"tokens/s, peak memory {p.peak_stage.total / GIB:.1f} of {p.capacity_bytes / GIB:.1f} GiB ({fits})",
-                  f"  bottleneck: {p.rate.bottleneck}"]
+                  f"tokens/s, peak memory {p.peak_stage.total / GIB:.1f} of {p.capacity_bytes / GIB:.1f} GiB "
+                  f"(fits{kept})", f"  bottleneck: {p.rate.bottleneck}"]
     why = {"zero_optimization.stage": " (the plan shards optimizer state)" if plan.distributed_optimizer
            and choice.user_zero_stage == 0 else ""}
     rewritten = [f"{k} {'unset' if old is None else old} -> {new}{why.get(k, '')}" for k, old, new in changes]
@@ -282,21 +322,6 @@ def report(choice: PlanChoice, changes: list[Change], config: Mapping[str, Any],
 
 
 # ---- the drop-in -------------------------------------------------------------------------------
-
-def _user_config(args: Any, config: Any, config_params: Any) -> dict[str, Any] | None:
-    """The config deepspeed.initialize would read (None where it would refuse the arguments)."""
-    if config is None and config_params is not None:
-        config = config_params
-    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
-    if from_args is not None:
-        if config is not None:
-            return None
-        config = from_args
-    if config is None:
-        return None
-    loaded = load_ds_config(config)
-    return loaded if isinstance(loaded, dict) else None
-
 
 def _check_model(model: torch.nn.Module, spec: ModelSpec, plan: ParallelPlan, mpu: Any) -> None:
     """The built model agrees with the plan and the spec; the first conflict names the layer."""
@@ -326,7 +351,7 @@ def initialize(args: Any = None, model: torch.nn.Module = None, optimizer: Any =
                dist_init_required: bool | None = None, collate_fn: Any = None, config: Any = None,
                mesh_param: Any = None, config_params: Any = None) -> tuple[Any, Any, Any, Any]:
     """Drop-in for ``deepspeed.initialize`` (same signature, same return value); see the module doc."""
-    raw = _user_config(args, config, config_params)
+    raw = user_config(args, config, config_params)
     block = read_block(raw) if raw is not None else None
     passthrough = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
                        training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port,
@@ -358,8 +383,13 @@ def initialize(args: Any = None, model: torch.nn.Module = None, optimizer: Any =
         tracer = Tracer(Path(block.trace) / f"a2a-rank{rank}.jsonl") if block.trace else None
         swap_moe_layers(model, A2ASettings.from_plan(plan.a2a, plan.a2a_chunks, tune=block.chunks == "tune"),
                         tracer=tracer)
-    passthrough |= dict(args=_without_config(args), config=rewritten, config_params=None)
+    # DeepSpeed gets the config without the block (the guard around deepspeed.initialize refuses an
+    # active one; DeepSpeed ignores it anyway), then engine.config shows the block that ran. The dict
+    # is our copy, the very one the engine (and its DeepSpeedConfig) keeps.
+    for_deepspeed = {k: v for k, v in rewritten.items() if k != BLOCK}
+    passthrough |= dict(args=_without_config(args), config=for_deepspeed, config_params=None)
     result = deepspeed.initialize(**passthrough)
+    result[0].config[BLOCK] = rewritten[BLOCK]
     if plan.ep > 1:
         # Only the hierarchical exchange uses the node layout; the runtime's groups need every
         # expert-parallel group to hold as many ranks on each node as on the others, which flat and

@@ -12,9 +12,10 @@ and ``exp_counts``) and replaces what follows the gate with :mod:`piper_core.run
    (:func:`plan_dispatch`: flat, hierarchical or aggregated stages, ``chunks`` pipeline chunks);
 3. :func:`moe_alltoall` dispatches, runs the local experts chunk by chunk while the next chunk's
    exchange is in flight, and combines; each output row is weighted by its gate and summed per
-   token, as DeepSpeed decodes. The experts run on proxies of their parameters so that each real
-   parameter receives one accumulated gradient per backward, not one per chunk (ZeRO-2's reduce
-   hooks allow one; :class:`_ExpertGrads`).
+   token, as DeepSpeed decodes. The experts' parameters are handed to ``moe_alltoall`` (``params``)
+   so that each receives one accumulated gradient per backward, not one per chunk (ZeRO-2's
+   per-parameter reduce hooks allow one: ``stage_1_and_2.reduce_ipg_grads``, "Gradient computed
+   twice for this partition").
 
 Outputs and gradients equal stock DeepSpeed's to fp32 rounding (tests/deepspeed/test_moe_layer.py):
 the experts see the same rows, only without the padding rows, whose outputs DeepSpeed discards.
@@ -80,6 +81,10 @@ class A2ASettings:
         if tune and a2a != "pipelined":
             raise SpecError("piper.chunks", "tune", f"tuning measures pipelined chunk counts; the plan's all-to-all "
                             f"is {a2a}", 'plan with "a2a": "pipelined", or give a chunk count')
+        if a2a == "pipelined" and chunks < 2:  # else it would silently run the flat exchange
+            raise SpecError("a2a_chunks", chunks, 'the "pipelined" all-to-all needs 2 chunks or more (it overlaps '
+                            "chunk k+1's exchange with chunk k's experts; one chunk is the flat all-to-all)",
+                            'plan with "chunks" 2, 4, 8 or "auto", or with "a2a": "flat"')
         algorithm = Algorithm.HIERARCHICAL if a2a == "hierarchical" else Algorithm.FLAT
         return cls(algorithm=algorithm, chunks=chunks if a2a == "pipelined" else 1, tune=tune)
 
@@ -190,55 +195,23 @@ class PiperMOELayer(MOELayer):
             tracer, name = self.piper_tracer, self.piper_name
             on_event = lambda ev: tracer.event(name, ev)  # noqa: E731
         rows = tokens.index_select(0, routes.token_of_row)
-        experts = self.experts.deepspeed_experts
-        params = [p for p in experts.parameters() if p.requires_grad]
-        proxies: list[dict[str, torch.Tensor]] | None = None
-        if torch.is_grad_enabled() and params:
-            proxies = [{n: p.detach().requires_grad_(p.requires_grad) for n, p in e.named_parameters()}
-                       for e in experts]
-            rows = _ExpertGrads.apply(rows, [t for d in proxies for t in d.values() if t.requires_grad], *params)
-        run = lambda t, n, probs: self._run_experts(t, n, proxies)  # noqa: E731
-        y = moe_alltoall(rows, meta, run, on_event=on_event)
+        params = [p for p in self.experts.deepspeed_experts.parameters() if p.requires_grad]
+        run = lambda t, n, probs: self._run_experts(t, n)  # noqa: E731
+        y = moe_alltoall(rows, meta, run, params=params, on_event=on_event)
         out = _decode(y, routes, gates, tokens.shape[0])
         if self.wall_clock_breakdown:
             self.time_moe = 1000.0 * (time.perf_counter() - start)  # ms, as DeepSpeed's timers report
         return out.reshape(x.shape)
 
-    def _run_experts(self, tokens: torch.Tensor, tokens_per_expert: tuple[int, ...],
-                     proxies: list[dict[str, torch.Tensor]] | None) -> torch.Tensor:
-        """Local expert ``e`` on its ``tokens_per_expert[e]`` rows, with its parameters replaced by
-        ``proxies[e]`` (see :class:`_ExpertGrads`). Every expert runs, even on zero rows, so each
-        expert parameter gets a gradient (zero) as it does in DeepSpeed's padded path."""
+    def _run_experts(self, tokens: torch.Tensor, tokens_per_expert: tuple[int, ...]) -> torch.Tensor:
+        """Local expert ``e`` on its ``tokens_per_expert[e]`` rows. Every expert runs, even on zero
+        rows, so each expert parameter gets a gradient (zero) as it does in DeepSpeed's padded path."""
         outs = []
         parts = torch.split(tokens, list(tokens_per_expert))
-        for e, (part, expert) in enumerate(zip(parts, self.experts.deepspeed_experts)):
-            out = expert(part) if proxies is None else torch.func.functional_call(expert, proxies[e], (part,))
+        for part, expert in zip(parts, self.experts.deepspeed_experts):
+            out = expert(part)
             outs.append(out[0] if isinstance(out, tuple) else out)
         return torch.cat(outs)
-
-
-class _ExpertGrads(torch.autograd.Function):
-    """Identity on the dispatched rows; its backward gives each expert parameter the gradient that
-    parameter's proxy accumulated over all chunks.
-
-    The pipelined runtime runs each chunk's expert graph backward separately, so a parameter used
-    directly would accumulate its gradient once per chunk, and ZeRO-2's per-parameter reduce hook
-    (``stage_1_and_2.reduce_ipg_grads``: "Gradient computed twice for this partition") would fire
-    as often. The experts run on proxies instead (leaf tensors sharing the parameters' storage);
-    this function sits upstream of the exchange, so its backward runs after every chunk's, and the
-    real parameters receive one accumulated gradient each, as with DeepSpeed's own layer."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, proxies: list[torch.Tensor],  # type: ignore[override]
-                *params: torch.Tensor) -> torch.Tensor:
-        ctx.proxies = proxies
-        return rows.view_as(rows)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in ctx.proxies]
-        ctx.proxies = None
-        return (grad, None, *grads)
 
 
 def _decode(y: torch.Tensor, routes: Routes, gates: torch.Tensor, num_tokens: int) -> torch.Tensor:

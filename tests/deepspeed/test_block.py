@@ -1,8 +1,13 @@
 """The ``"piper"`` block, planning and the drop-in's contract, in one process (no torch.distributed).
 
 * every validation error of the block, matched: unknown keys (nearest and valid keys named), wrong
-  types (strict: no "yes" for true), ranges, key combinations, unresolvable presets, pinned plans
-  DeepSpeed cannot run, a missing global batch, no plan that fits;
+  types (strict: no "yes" for true), ranges, key combinations (``"chunks": 1`` with ``"pipelined"``),
+  unresolvable presets, pinned plans DeepSpeed cannot run, a missing global batch, no plan that fits;
+* an explicit all-to-all (``a2a`` not auto, ``chunks`` >= 2 or tune) is honoured where the search
+  alone would pick ep = 1 (a model whose unrestricted best plan has ep = 1), or refused with the
+  reason (one rank; a pinned ep = 1), never rewritten to flat;
+* ``memory_headroom`` holds for a pinned plan as for the search: a pinned plan over the limit is
+  refused with its predicted peak and the limit;
 * ZeRO-3 with MoE fails with Piper's message before any DeepSpeed call (``deepspeed.initialize``
   and ``init_distributed`` are replaced by functions that fail the test if called);
 * no block / ``"enabled": false``: ``deepspeed.initialize`` receives the very same objects and its
@@ -35,9 +40,11 @@ from piper_core.presets import load_cluster, load_model, model_names  # noqa: E4
 from piper_core.resource.params import stage_params  # noqa: E402
 from piper_core.resource.predict import predict  # noqa: E402
 from piper_core.specs.parallel import ParallelPlan  # noqa: E402
+from piper_core.specs.yamlio import to_dict  # noqa: E402
 from piper_deepspeed.builder import build_model  # noqa: E402
 from piper_deepspeed.config import PiperConfig  # noqa: E402
 from piper_deepspeed.initialize import plan_for, rewrite_config  # noqa: E402
+from piper_deepspeed.moe import A2ASettings  # noqa: E402
 
 OK = {"cluster": "cpu-local", "model": "tiny-moe"}
 CONFIG = {"train_batch_size": 8, "zero_optimization": {"stage": 0}}
@@ -53,7 +60,9 @@ CONFIG = {"train_batch_size": 8, "zero_optimization": {"stage": 0}}
                                                     r"chunk count, and a2a \"hierarchical\" is unpipelined"),
     (OK | {"chunks": 2.5}, r"piper\.chunks=2\.5: must be an int >= 1"),
     (OK | {"a2a": "flat", "chunks": 4}, r"piper\.chunks=4: pipeline chunks apply only to a2a \"pipelined\""),
-    (OK | {"a2a": "pipelined", "chunks": 1}, r"piper\.chunks=1: a2a \"pipelined\" needs chunks >= 2"),
+    (OK | {"a2a": "pipelined", "chunks": 1},
+     r"^piper\.chunks=1: a2a \"pipelined\" needs chunks >= 2 \(it overlaps chunk k\+1's exchange with chunk k's "
+     r"experts; one chunk is the flat all-to-all\); set chunks to 2, 4, 8 or \"auto\", or \"a2a\": \"flat\"$"),
     (OK | {"memory_headroom": 1.0}, r"piper\.memory_headroom=1\.0: must be a number in \[0, 1\)"),
     (OK | {"memory_headroom": -0.1}, r"piper\.memory_headroom=-0\.1: must be a number in \[0, 1\)"),
     (OK | {"memory_headroom": True}, r"piper\.memory_headroom=True: must be a number"),
@@ -107,6 +116,103 @@ def test_pipeline_with_zero2_and_no_fitting_plan() -> None:
     with pytest.raises(Infeasible, match=r"no plan DeepSpeed can run fits switch-1t on 2 ranks of cpu-local .*"
                                          r"rejected: .*exceeds memory"):
         plan_for({"train_batch_size": 8, "piper": OK | {"model": "switch-1t"}}, 2)
+
+
+# tiny-moe with 1,024-token sequences: on 2 cpu-local ranks the unrestricted search picks ep = 1 (the
+# exchange outweighs what ep saves), so an explicit all-to-all must change the plan, not be dropped.
+LONG = OK | {"model": to_dict(dataclasses.replace(load_model("tiny-moe"), name="tiny-moe-1k", seq_length=1024))}
+
+
+@pytest.mark.parametrize("asked, a2a, chunks", [
+    ({"a2a": "pipelined", "chunks": 2}, "pipelined", {2}),
+    ({"a2a": "pipelined"}, "pipelined", {2, 4, 8}),
+    ({"a2a": "hierarchical"}, "hierarchical", {1}),
+    ({"a2a": "flat"}, "flat", {1}),
+    ({"chunks": 4}, "pipelined", {4}),  # a chunk count with a2a auto means the pipelined exchange
+    ({"chunks": "tune"}, "pipelined", {2, 4, 8}),
+])
+def test_explicit_all_to_all_is_honoured_where_the_search_would_pick_ep_1(asked, a2a, chunks) -> None:
+    assert plan_for(CONFIG | {"piper": LONG}, 2).plan.ep == 1, "the case needs a search that picks ep = 1"
+    choice = plan_for(CONFIG | {"piper": LONG | asked}, 2)
+    plan = choice.plan
+    assert plan.ep == 2 and plan.a2a == a2a and plan.a2a_chunks in chunks, plan
+    assert all(p.plan.ep > 1 for p in choice.top)
+    new, _ = rewrite_config(CONFIG | {"piper": LONG | asked}, choice)
+    assert plan_for(new, 2).plan == plan, "the rewritten block pins the same plan"
+
+
+def test_chunks_1_with_a2a_auto_means_unpipelined() -> None:
+    choice = plan_for(CONFIG | {"piper": LONG | {"chunks": 1}}, 2)
+    assert {(p.plan.a2a, p.plan.a2a_chunks) for p in choice.top} <= {("flat", 1), ("hierarchical", 1)}
+    assert {s.plan.a2a_chunks for s in choice.search.scored} == {1}
+
+
+@pytest.mark.parametrize("block, world, match", [
+    (OK | {"a2a": "pipelined", "chunks": 2}, 1,
+     r"^piper\.a2a='pipelined': asks for an expert all-to-all, which needs expert parallelism \(ep > 1\), and no "
+     r"ep > 1 is possible on 1 rank; run on more ranks, or set \"a2a\" and \"chunks\" to \"auto\" \(or remove "
+     r"them\) to plan without an expert all-to-all$"),
+    (OK | {"chunks": 4}, 1, r"^piper\.chunks=4: asks for an expert all-to-all, .* no ep > 1 is possible on 1 rank"),
+    (OK | {"a2a": "pipelined", "plan": {"ep": 1, "mbs": 1}}, 2,
+     r"^piper\.a2a='pipelined': asks for an expert all-to-all, which needs expert parallelism \(ep > 1\), and "
+     r"piper\.plan pins ep=1; pin ep > 1 in piper\.plan, or set \"a2a\" to \"auto\" or \"flat\" and remove "
+     r"\"chunks\"$"),
+    (OK | {"a2a": "hierarchical", "plan": {"ep": 1, "mbs": 1}}, 2, r"^piper\.a2a='hierarchical': .* pins ep=1"),
+    (OK | {"chunks": "tune", "plan": {"ep": 1, "mbs": 1}}, 2, r"^piper\.chunks='tune': .* pins ep=1"),
+])
+def test_explicit_all_to_all_without_ep_above_1_is_refused(block, world, match) -> None:
+    with pytest.raises(SpecError, match=match):
+        plan_for(CONFIG | {"piper": block}, world)
+
+
+def test_explicit_all_to_all_that_fits_nowhere_says_the_search_was_restricted() -> None:
+    with pytest.raises(Infeasible, match=r"no plan DeepSpeed can run fits switch-1t on 2 ranks of cpu-local at "
+                                         r"global batch 8 \(searched \d+ plans, ep > 1 only as piper\.a2a='pipelined' "
+                                         r"asks; rejected: .*exceeds memory\); .*, or set \"a2a\" and \"chunks\" to "
+                                         r"\"auto\"$"):
+        plan_for(CONFIG | {"piper": OK | {"model": "switch-1t", "a2a": "pipelined"}}, 2)
+
+
+def test_pinned_ep_1_with_a2a_flat_loads_as_exported() -> None:
+    exported = deepspeed_config(predict(load_model("tiny-moe"), load_cluster("cpu-local"),
+                                        ParallelPlan(gpus=2, ep=1, micro_batch_size=1, global_batch_size=8)))
+    exported["piper"]["model"] = "tiny-moe"
+    assert (exported["piper"]["a2a"], exported["piper"]["chunks"]) == ("flat", 1)
+    plan = plan_for(exported, 2).plan
+    assert (plan.ep, plan.a2a, plan.a2a_chunks) == (1, "flat", 1)
+
+
+PIN = {"plan": {"ep": 2, "mbs": 1}}
+PIN_TEXT = r"\{'tp': 1, 'pp': 1, 'ep': 2, 'etp': 1, 'cp': 1, 'vpp': 1, 'mbs': 1, 'recompute': 'none'\}"
+
+
+def test_memory_headroom_holds_for_a_pinned_plan() -> None:
+    fits = plan_for(CONFIG | {"piper": OK | PIN | {"memory_headroom": 0.5}}, 2).prediction
+    peak_gib, usable_gib = fits.peak_stage.total / 2**30, load_cluster("cpu-local").capacity_gib
+    headroom = 0.98
+    assert peak_gib > usable_gib * (1 - headroom), "the case needs a plan over the 0.98 limit"
+    limit_gib = usable_gib * (1 - headroom)
+    with pytest.raises(SpecError, match=rf"^piper\.plan={PIN_TEXT}: is predicted to need {peak_gib:.2f} GiB per "
+                                        rf"GPU at its peak, over the {limit_gib:.2f} GiB limit the search applies "
+                                        rf"\(cpu-local's usable {usable_gib:.2f} GiB less memory_headroom 0\.98\); "
+                                        r"pin a plan that fits \(a larger ep or a smaller mbs\), lower "
+                                        r"piper\.memory_headroom, or remove piper\.plan to let Piper search$"):
+        plan_for(CONFIG | {"piper": OK | PIN | {"memory_headroom": headroom}}, 2)
+    with pytest.raises(Infeasible, match=r"rejected: \d+ exceeds memory\)"):  # the search: the same limit
+        plan_for(CONFIG | {"piper": OK | {"memory_headroom": headroom}}, 2)
+
+
+def test_pinned_plan_over_capacity_is_refused() -> None:
+    with pytest.raises(SpecError, match=rf"^piper\.plan={PIN_TEXT}: is predicted to need [0-9.]+ GiB per GPU at its "
+                                        r"peak, over the 10\.80 GiB limit the search applies \(cpu-local's usable "
+                                        r"10\.80 GiB\); pin a plan that fits"):
+        plan_for(CONFIG | {"piper": OK | PIN | {"model": "switch-1t"}}, 2)
+
+
+def test_pipelined_settings_with_one_chunk_are_refused() -> None:
+    with pytest.raises(SpecError, match=r"^a2a_chunks=1: the \"pipelined\" all-to-all needs 2 chunks or more"):
+        A2ASettings.from_plan("pipelined", 1)
+    assert A2ASettings.from_plan("pipelined", 2).chunks == 2 and A2ASettings.from_plan("flat", 1).chunks == 1
 
 
 def _forbidden(*args, **kwargs):
