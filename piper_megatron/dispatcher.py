@@ -21,6 +21,12 @@ What the subclass changes (phases of ``MoEAlltoAllTokenDispatcher``, 0.16-0.19):
   ``MoELayer.routed_experts_compute``, so that method is rebound too (for layers whose dispatcher
   is Piper's; others run the original): ``token_dispatch`` and ``token_combine`` pass tokens
   through, and ``routed_experts_compute`` runs the fused exchange with the layer's experts.
+  ``MoELayer.dispatch`` is rebound to open that fused call (Megatron's forward, its recompute and
+  its EP-overlap schedule all reach ``token_dispatch`` through it). A caller that drives the
+  dispatcher's phases itself (``token_dispatch`` with no fused call open: Megatron's own dispatcher
+  tests) gets them unpipelined for that step (one chunk, the plan's algorithm, the tuner left
+  alone), with one :class:`PhaseDrivenWarning` per dispatcher. So the step is planned when its
+  first exchange runs, not in ``preprocess``: by then the path is known.
 
 Supported: expert tensor parallel size 1 (experts whole on each EP rank), no shared-expert overlap
 (0.19 runs it inside the stock ``token_dispatch``); pipelined also needs Megatron's own a2a-overlap
@@ -31,6 +37,7 @@ split sizes do: Megatron calls the phases as methods with no other place to keep
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -118,6 +125,10 @@ def create_ep_comm(topology: NodeTopology, *, timeout: timedelta = timedelta(sec
     return create_comm(topology, parents=expert_parallel_groups(), timeout=timeout, host_timeout=host_timeout)
 
 
+class PhaseDrivenWarning(UserWarning):
+    """A pipelined dispatcher's phases were called one by one: that step ran unpipelined."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class _Binding:
     comm: A2AComm
@@ -143,6 +154,11 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
                             "build layers after piper_megatron.dispatcher.install_dispatcher(comm, settings)")
         self._check(binding, config)
         self._meta: DispatchMeta | None = None
+        self._counts: torch.Tensor | None = None  # this step's [W, E] counts, kept until it is planned
+        self._device = torch.device("cpu")  # where this step's index tensors go
+        self._fused = False  # MoELayer.dispatch opened a fused call for this step
+        self._warned = False  # the phase-driven fallback has been reported (once per dispatcher)
+        self.layer_number: int | None = None  # the MoE layer's, once Megatron sets it
         self._record: LayerRecord | None = None
         self.auto_chunks = AutoChunks(binding.comm, candidates=ADAPTER_CANDIDATES, trials=ADAPTER_TRIALS) \
             if binding.settings.tune else None  # this layer's own tuner, kept across steps
@@ -170,17 +186,16 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     # ---- metadata ----------------------------------------------------------------------------
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
-        """Megatron's per-step metadata and Piper's plan, from one all-gather of the counts."""
-        comm, settings = self.binding.comm, self.binding.settings
+        """Megatron's per-step metadata and the counts Piper plans from, from one all-gather. A new
+        step: the plan waits for its first exchange (:meth:`_current_meta`)."""
+        comm = self.binding.comm
         if self.drop_and_pad:  # every (source, expert) run is padded to capacity: no exchange needed
             tokens_per_expert = super().preprocess(routing_map)
             counts = torch.full((comm.size, self.num_experts), self.capacity, dtype=torch.long)
         else:
             counts = exchange_counts(routing_map.sum(dim=0).long(), comm=comm)
             tokens_per_expert = self._megatron_metadata(counts, routing_map)
-        chunks = settings.chunks if self.auto_chunks is None else self.auto_chunks
-        self._meta = plan_dispatch(counts, comm=comm, algorithm=settings.algorithm, chunks=chunks,
-                                   device=routing_map.device)
+        self._meta, self._counts, self._device, self._fused = None, counts, routing_map.device, False
         return tokens_per_expert
 
     def _megatron_metadata(self, counts: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
@@ -198,39 +213,78 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return mine.sum(dim=0)
 
     # ---- exchanges -----------------------------------------------------------------------------
+    def open_fused_call(self) -> None:
+        """``MoELayer.dispatch`` is running: this step's dispatch, experts and combine go through
+        ``MoELayer.routed_experts_compute`` (pipelined: fused in ``moe_alltoall``)."""
+        self._fused = True
+
+    @property
+    def in_fused_call(self) -> bool:
+        """True from ``MoELayer.dispatch`` to the step's ``token_combine``."""
+        return self._fused
+
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor, *args: Any, **kwargs: Any):
+        fused = self.binding.settings.pipelined and self._fused
+        if self.binding.settings.pipelined and not fused:
+            self._warn_phase_driven()
+        meta = self._current_meta()
         tracer = self.binding.tracer
         if tracer is not None:
-            self._record = tracer.begin(algorithm=self.binding.settings.algorithm.value,
-                                        chunks=self._current_meta().chunks, meta=self._meta,
-                                        first_expert=self.local_expert_indices[0])
+            self._record = tracer.begin(algorithm=self.binding.settings.algorithm.value, chunks=meta.chunks,
+                                        meta=meta, first_expert=self.local_expert_indices[0])
+            self._record.layer = self.layer_number  # phase-driven steps never reach routed_experts_compute
             self._record.mark("dispatch")
-        if self.binding.settings.pipelined:
+        if fused:
             return hidden_states, probs  # exchanged chunk by chunk in routed_experts_compute
-        chunk = self._current_meta().chunk[0]
+        chunk = meta.chunk[0]
         return exchange(hidden_states, chunk.dispatch), exchange(probs, chunk.dispatch)
 
     def token_combine(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         record = self._record
         if record is not None:
             record.mark("combine")
-        out = hidden_states if self.binding.settings.pipelined else exchange(
-            hidden_states, self._current_meta().chunk[0].combine)
+        fused = self.binding.settings.pipelined and self._fused
+        out = hidden_states if fused else exchange(hidden_states, self._current_meta().chunk[0].combine)
+        self._fused = False
         if record is not None:
             record.finish()
             self._record = None
         return out
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        if self.binding.settings.pipelined:  # the fused path never calls it: the layer is not routed to Piper
+        if self.binding.settings.pipelined and self._fused:  # Piper's fused path never calls it
             raise RuntimeError("PiperTokenDispatcher (pipelined): MoELayer.routed_experts_compute is Megatron's, "
                                "not Piper's; keep install_dispatcher's patches in place while the model runs")
         return super().dispatch_postprocess(hidden_states, probs)
 
     def _current_meta(self) -> DispatchMeta:
+        """This step's plan, made on first use: ``chunks`` (or the tuner's count) for a fused call,
+        one chunk when the phases are driven one by one (no tuner call spent on it)."""
         if self._meta is None:
-            raise RuntimeError("PiperTokenDispatcher: an exchange was called before preprocess (dispatch_preprocess)")
+            if self._counts is None:
+                raise RuntimeError("PiperTokenDispatcher: an exchange was called before preprocess "
+                                   "(dispatch_preprocess)")
+            settings = self.binding.settings
+            chunks: int | AutoChunks = 1
+            if self._fused:
+                chunks = settings.chunks if self.auto_chunks is None else self.auto_chunks
+            self._meta = plan_dispatch(self._counts, comm=self.binding.comm, algorithm=settings.algorithm,
+                                       chunks=chunks, device=self._device)
         return self._meta
+
+    def _warn_phase_driven(self) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        settings = self.binding.settings
+        first, last = self.local_expert_indices[0], self.local_expert_indices[-1]
+        layer = "" if self.layer_number is None else f"layer {self.layer_number}, "
+        chunks = "a tuned chunk count" if settings.tune else f"{settings.chunks} chunks"
+        warnings.warn(f"PiperTokenDispatcher ({layer}experts {first}-{last}): the pipelined all-to-all "
+                      f"({chunks}) needs MoELayer's forward, but token_dispatch was called with no fused call "
+                      f"open (a caller driving the phases one by one); such steps run unpipelined, one chunk "
+                      f"of {settings.algorithm.value} exchanges (said once per dispatcher)",
+                      PhaseDrivenWarning, stacklevel=3)
 
     # ---- experts -------------------------------------------------------------------------------
     def routed_experts_compute(self, layer: Any, original: Callable[..., Any], hidden_states: torch.Tensor,
@@ -253,7 +307,11 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
             return out
 
         on_event = None if record is None else _marker(record)
-        return moe_alltoall(hidden_states, self._current_meta(), experts, probs=probs, on_event=on_event), None
+        # the experts' parameters go through moe_alltoall's own autograd node: one gradient accumulation
+        # each per backward, so DDP's per-parameter grad-ready hooks fire once whatever the chunk count
+        params = [p for p in layer.experts.parameters() if p.requires_grad]
+        return moe_alltoall(hidden_states, self._current_meta(), experts, probs=probs, params=params,
+                            on_event=on_event), None
 
 
 def _marker(record: LayerRecord) -> Callable[[ScheduleEvent], None]:
@@ -267,28 +325,58 @@ def _marker(record: LayerRecord) -> Callable[[ScheduleEvent], None]:
 class Patches:
     """Attributes rebound by :func:`install_dispatcher`; :meth:`restore` puts the originals back."""
 
+    _INHERITED = object()  # the name was not the owner's own (a method of a base class): delete it again
+
     def __init__(self) -> None:
         self._saved: list[tuple[Any, str, Any]] = []
 
     def set(self, owner: Any, name: str, value: Any) -> None:
-        self._saved.append((owner, name, getattr(owner, name)))
+        getattr(owner, name)  # AttributeError now, not a silently added attribute
+        self._saved.append((owner, name, vars(owner).get(name, self._INHERITED)))
         setattr(owner, name, value)
 
     def restore(self) -> None:
         while self._saved:
             owner, name, value = self._saved.pop()
-            setattr(owner, name, value)
+            if value is self._INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
 
 
 def _routed_experts_compute(original: Callable[..., Any]) -> Callable[..., Any]:
     def routed_experts_compute(self: Any, hidden_states: torch.Tensor, probs: torch.Tensor):
         dispatcher = self.token_dispatcher
-        if isinstance(dispatcher, PiperTokenDispatcher):
+        # outside a fused call, token_dispatch has exchanged the tokens already: Megatron's own steps
+        if isinstance(dispatcher, PiperTokenDispatcher) and dispatcher.in_fused_call:
             return dispatcher.routed_experts_compute(self, original, hidden_states, probs)
         return original(self, hidden_states, probs)
 
     routed_experts_compute.__wrapped__ = original  # type: ignore[attr-defined]
     return routed_experts_compute
+
+
+def _dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``MoELayer.dispatch`` (Megatron's forward calls it before ``routed_experts_compute``) opens
+    the fused call of a Piper dispatcher."""
+    def dispatch(self: Any, *args: Any, **kwargs: Any):
+        if isinstance(self.token_dispatcher, PiperTokenDispatcher):
+            self.token_dispatcher.open_fused_call()
+        return original(self, *args, **kwargs)
+
+    dispatch.__wrapped__ = original  # type: ignore[attr-defined]
+    return dispatch
+
+
+def _set_layer_number(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``MoELayer.set_layer_number`` also tells a Piper dispatcher (for its messages)."""
+    def set_layer_number(self: Any, layer_number: int) -> None:
+        original(self, layer_number)
+        if isinstance(self.token_dispatcher, PiperTokenDispatcher):
+            self.token_dispatcher.layer_number = layer_number
+
+    set_layer_number.__wrapped__ = original  # type: ignore[attr-defined]
+    return set_layer_number
 
 
 def install_dispatcher(comm: A2AComm, settings: DispatchSettings, *, tracer: Tracer | None = None) -> Patches:
@@ -298,6 +386,8 @@ def install_dispatcher(comm: A2AComm, settings: DispatchSettings, *, tracer: Tra
                  {"binding": _Binding(comm=comm, settings=settings, tracer=tracer), "__module__": __name__})
     patches = Patches()
     patches.set(moe_layer, "MoEAlltoAllTokenDispatcher", bound)
-    patches.set(moe_layer.MoELayer, "routed_experts_compute",
-                _routed_experts_compute(moe_layer.MoELayer.routed_experts_compute))
+    layer = moe_layer.MoELayer
+    patches.set(layer, "routed_experts_compute", _routed_experts_compute(layer.routed_experts_compute))
+    patches.set(layer, "dispatch", _dispatch(layer.dispatch))
+    patches.set(layer, "set_layer_number", _set_layer_number(layer.set_layer_number))
     return patches
