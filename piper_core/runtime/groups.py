@@ -67,7 +67,12 @@ class A2AComm:
 def create_comm(topology: NodeTopology, *, parents: Sequence[Sequence[int]] | None = None,
                 timeout: timedelta = timedelta(seconds=60), host_timeout: bool = True) -> A2AComm:
     """Create the groups for every parent group (global ranks; default: one, the whole job) and
-    return this rank's :class:`A2AComm`. Collective: every rank calls it with identical arguments."""
+    return this rank's :class:`A2AComm`. Collective: every rank calls it with identical arguments.
+
+    ``timeout`` is every group's timeout and, with ``host_timeout``, the host's limit on each wait;
+    pass the job's process-group timeout (piper_megatron passes Megatron's
+    ``--distributed-timeout-minutes``). ``host_timeout=False`` (NCCL) leaves the deadline to the
+    groups' timeout alone."""
     if not dist.is_initialized():
         raise SpecError("torch.distributed", "not initialized", "create_comm creates process groups",
                         "call torch.distributed.init_process_group first")
@@ -79,10 +84,10 @@ def create_comm(topology: NodeTopology, *, parents: Sequence[Sequence[int]] | No
     mine: A2AComm | None = None
     for parent in groups:
         layout = layout_for(topology, parent)
-        whole = dist.new_group(list(layout.ranks), timeout=timeout)
-        nodes = [dist.new_group([layout.ranks[m] for m in layout.node_members(n)], timeout=timeout)
+        whole = _new_group("PIPER_A2A", list(layout.ranks), timeout)
+        nodes = [_new_group("PIPER_A2A_INTRA_NODE", [layout.ranks[m] for m in layout.node_members(n)], timeout)
                  for n in range(layout.num_nodes)]
-        locals_ = [dist.new_group([layout.ranks[m] for m in layout.local_members(j)], timeout=timeout)
+        locals_ = [_new_group("PIPER_A2A_INTER_NODE", [layout.ranks[m] for m in layout.local_members(j)], timeout)
                    for j in range(layout.per_node)]
         if rank in layout.ranks:
             me = layout.ranks.index(rank)
@@ -94,6 +99,15 @@ def create_comm(topology: NodeTopology, *, parents: Sequence[Sequence[int]] | No
         raise RuntimeError(f"rank {rank} found in no parent group {groups}")
     _warm_up(mine.group, mine.layout.ranks, timeout)
     return mine
+
+
+def _new_group(kind: str, ranks: list[int], timeout: timedelta) -> dist.ProcessGroup:
+    """``dist.new_group`` with the runtime's timeout, which is the backend's own deadline for every
+    collective on the group (gloo's send/receive timeout; NCCL's watchdog, the only deadline there
+    with ``host_timeout=False``), and a description (``group_desc``), which NCCL's watchdog and
+    flight recorder print with a timed-out collective (e.g. "PIPER_A2A[0,1]"): the one hint on
+    NCCL that the collective was Piper's."""
+    return dist.new_group(ranks, timeout=timeout, group_desc=f"{kind}[{','.join(map(str, ranks))}]")
 
 
 def _warm_up(group: dist.ProcessGroup, ranks: tuple[int, ...], timeout: timedelta) -> None:
