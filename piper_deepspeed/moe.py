@@ -273,7 +273,10 @@ def attach_comm(model: torch.nn.Module, topology: NodeTopology, *, timeout: time
     if missing:
         raise SpecError("ranks", missing, "hold no expert-parallel MoE layer, while other ranks do (Piper's "
                         "all-to-all groups span the whole job)", "give every pipeline stage a MoE layer")
-    comm = create_comm(topology, parents=sorted({tuple(g) for g in gathered}), timeout=timeout)
+    # on NCCL the process group's watchdog enforces the deadline; a host-side deadline would make the
+    # host wait on every exchange (as the Megatron adapter, piper_megatron.install)
+    comm = create_comm(topology, parents=sorted({tuple(g) for g in gathered}), timeout=timeout,
+                       host_timeout=dist.get_backend() != "nccl")
     for layer in layers:
         layer.piper_comm = comm
         tune = layer.piper_a2a is not None and layer.piper_a2a.tune
