@@ -11,7 +11,9 @@ replaced (text around it is prose and is left alone)::
     ...what the command printed...
     ```
 
-Commands run from the repository root with ``.venv/bin`` first on PATH. Search times and rates
+Commands run from the repository root with ``.venv/bin`` first on PATH. The quote is what a user
+sees in a terminal: standard output, then standard error (where errors such as a plan that does
+not fit are printed), whatever the exit status. Search times and rates
 (``searched N plans in X s (Y plans/s)``) vary from run to run and are masked when checking; every
 other figure must match. Outputs that take minutes to produce (training, calibration, validation)
 are quoted with ``<!-- measured: COMMAND -->`` instead: recorded once, with the command, not rerun.
@@ -36,7 +38,8 @@ def run(cmd: str) -> str:
     env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHONWARNINGS": "ignore", "COLUMNS": "200"}
     proc = subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    return proc.stdout.rstrip() + "\n"
+    streams = [s.rstrip() for s in (proc.stdout, proc.stderr) if s.strip()]
+    return "\n".join(streams) + "\n"
 
 
 def mask(text: str) -> str:

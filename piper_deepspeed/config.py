@@ -125,7 +125,7 @@ class PiperConfig(DeepSpeedConfigModel):
     def requested_exchange(self) -> tuple[str, Any] | None:
         """The key and value that ask for a particular expert all-to-all (None: ``a2a`` auto with
         ``chunks`` auto or 1). Such a request is honoured or refused, never dropped: the search keeps
-        only ep > 1 plans (the Megatron adapter's ``restrict`` does the same for ``--piper-a2a``)."""
+        only ep > 1 plans (``piper_megatron.pins.restrict`` does the same for ``--piper-a2a``)."""
         if self.a2a != "auto":
             return "piper.a2a", self.a2a
         if self.chunks == "tune" or (isinstance(self.chunks, int) and self.chunks >= 2):

@@ -136,7 +136,7 @@ def global_batch(config: Mapping[str, Any], world_size: int, stages: int) -> int
 def deepspeed_space(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, world_size: int, *,
                     pipeline: bool, min_stage: int) -> SearchSpace:
     """The plans DeepSpeed(-MoE) can run (see the module doc). An explicit all-to-all
-    (``block.requested_exchange``) keeps only ep > 1, as the Megatron adapter's ``restrict`` does; with
+    (``block.requested_exchange``) keeps only ep > 1, as ``piper_megatron.pins.restrict`` does; with
     none left it is refused, never dropped for an ep = 1 plan."""
     base = default_space(model, cluster, world_size)
     pp = tuple(p for p in base.pp if model.num_layers % p == 0 and world_size % p == 0) if pipeline else (1,)

@@ -22,10 +22,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from piper_core.errors import Infeasible, SpecError
+from piper_megatron.pins import OFF_NAMES
 
 USAGE = ("usage: python -m piper_megatron SCRIPT [Megatron arguments] --piper --piper-cluster NAME|YAML\n"
          "       [--piper-profile YAML] [--piper-a2a auto|flat|hierarchical|pipelined] [--piper-chunks N|auto|tune]\n"
-         "       [--piper-plan-only [--piper-world-size N]] [--piper-trace FILE]")
+         "       [--piper-plan-only [--piper-world-size N]] [--piper-trace FILE] [--piper-off NAME[,NAME...]]\n"
+         "--piper-off NAME: a Megatron switch the plan must leave off, one of: " + ", ".join(OFF_NAMES))
 
 
 def _world_size(flag: int | None) -> int:
@@ -88,6 +90,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Infeasible as exc:
         print(f"piper_megatron: infeasible: {exc}", file=sys.stderr)
         return 1
+    except RuntimeError as exc:  # a collective of Megatron's: say where this rank stopped, then the traceback
+        from piper_megatron.faults import collective_failure
+
+        line = collective_failure(exc)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+        raise
     return 0
 
 

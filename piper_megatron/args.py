@@ -9,25 +9,25 @@ with Megatron's attribute names feed :func:`model_spec_from_args`: Megatron's ow
 (``megatron/training/arguments.py`` at core_v0.16.1 and 0.19.2, where most of these flags are
 generated from ``TransformerConfig`` fields; tests compare both against the real parsers).
 Flag names for the rewrite come from :func:`piper_core.export.parallel_flags`, the spec -> flags
-mapping checked against Megatron's parser; this module is its inverse for the model.
+mapping checked against Megatron's parser; this module is its inverse for the model. What the
+command line pins (sizes written on it, ``--piper-off``) is :mod:`piper_megatron.pins`.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from piper_core.errors import SpecError
+from piper_core.errors import SpecError, nearest
 from piper_core.export import parallel_flags
-from piper_core.scheduler.space import A2A_CHOICES, SearchSpace
 from piper_core.specs.model import MLASpec, ModelSpec
 from piper_core.specs.parallel import ParallelPlan
+from piper_megatron.pins import OFF_NAMES, PINNABLE, Pins, off_names
 
 A2AFlag = Literal["auto", "flat", "hierarchical", "pipelined"]
 A2A_FLAGS: tuple[str, ...] = ("auto", "flat", "hierarchical", "pipelined")
@@ -41,7 +41,8 @@ class PiperOptions:
     """Piper's flags, checked. ``chunks`` None means auto (the scheduler picks); ``tune``
     (``--piper-chunks tune``): the scheduler plans a pipelined all-to-all and each MoE layer measures
     its chunk count at run time; ``world_size`` (``--piper-world-size``) stands in for the launcher's
-    WORLD_SIZE in plan-only runs."""
+    WORLD_SIZE in plan-only runs; ``off`` (``--piper-off``): Megatron switches the plan must leave off
+    (:data:`piper_megatron.pins.OFF_NAMES`)."""
 
     enabled: bool
     cluster: str | None = None
@@ -52,6 +53,7 @@ class PiperOptions:
     plan_only: bool = False
     trace: Path | None = None
     world_size: int | None = None
+    off: tuple[str, ...] = ()
 
 
 def _chunks(text: str) -> int | str | None:
@@ -95,7 +97,26 @@ def add_piper_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="write per-layer, per-rank dispatch/expert/combine times as JSON lines")
     group.add_argument("--piper-world-size", type=_positive, metavar="N",
                        help="world size to plan for with --piper-plan-only when no launcher sets WORLD_SIZE")
+    group.add_argument("--piper-off", action="append", metavar="NAME[,NAME...]",
+                       help="Megatron switches the plan must leave off (repeatable): " + ", ".join(OFF_NAMES))
     return parser
+
+
+PIPER_FLAGS: frozenset[str] = frozenset(
+    s for a in add_piper_arguments(argparse.ArgumentParser(add_help=False))._actions for s in a.option_strings)
+
+
+def check_piper_flags(argv: Sequence[str]) -> None:
+    """Every argument starting with ``--piper`` is exactly one of Piper's flags (SpecError naming
+    the nearest otherwise): Piper's own reading (``parse_known_args``) would skip a misspelt flag,
+    and Megatron's parser would skip it too under ``ignore_unknown_args`` or, with ``allow_abbrev``,
+    take a prefix such as ``--piper-chunk`` for ``--piper-chunks``."""
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if arg.startswith("--piper") and flag not in PIPER_FLAGS:
+            near = nearest(flag, PIPER_FLAGS)
+            raise SpecError("flag", flag, f"is not one of Piper's flags ({', '.join(sorted(PIPER_FLAGS))})",
+                            f"write {near}" if near else "see python -m piper_megatron --help")
 
 
 def piper_options(ns: argparse.Namespace) -> PiperOptions:
@@ -106,11 +127,13 @@ def piper_options(ns: argparse.Namespace) -> PiperOptions:
     options = PiperOptions(enabled=bool(getattr(ns, "piper", False)), cluster=getattr(ns, "piper_cluster", None),
                            profile=getattr(ns, "piper_profile", None), a2a=getattr(ns, "piper_a2a", "auto"),
                            chunks=chunks, tune=tune, plan_only=bool(getattr(ns, "piper_plan_only", False)),
-                           trace=getattr(ns, "piper_trace", None), world_size=getattr(ns, "piper_world_size", None))
+                           trace=getattr(ns, "piper_trace", None), world_size=getattr(ns, "piper_world_size", None),
+                           off=off_names(getattr(ns, "piper_off", None)))
     given = [flag for flag, on in (("--piper-cluster", options.cluster), ("--piper-profile", options.profile),
                                    ("--piper-a2a", options.a2a != "auto"), ("--piper-chunks", given_chunks),
                                    ("--piper-plan-only", options.plan_only), ("--piper-trace", options.trace),
-                                   ("--piper-world-size", options.world_size)) if on]
+                                   ("--piper-world-size", options.world_size),
+                                   ("--piper-off", getattr(ns, "piper_off", None))) if on]
     if given and not options.enabled:
         raise SpecError(given[0], "given", "Piper's flags act only together with --piper (without it nothing of "
                         "Megatron is changed)", "add --piper, or drop " + ", ".join(given))
@@ -135,7 +158,9 @@ def piper_options(ns: argparse.Namespace) -> PiperOptions:
 
 
 def parse_piper_options(argv: Sequence[str]) -> PiperOptions:
-    """Piper's flags from a command line that also holds Megatron's (those are ignored here)."""
+    """Piper's flags from a command line that also holds Megatron's (those are ignored here; a
+    misspelt Piper flag is an error, :func:`check_piper_flags`)."""
+    check_piper_flags(argv)
     parser = add_piper_arguments(argparse.ArgumentParser(prog="piper_megatron", allow_abbrev=False,
                                                          add_help=False))
     known, _ = parser.parse_known_args(list(argv))
@@ -173,6 +198,7 @@ _MODEL_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, Any], ...] = (
     ("--moe-token-dispatcher-type", "moe_token_dispatcher_type", str, "allgather"),
     ("--attention-backend", "attention_backend", str, "auto"),
     ("--global-batch-size", "global_batch_size", int, None), ("--micro-batch-size", "micro_batch_size", int, None),
+    ("--load", "load", str, None), ("--save", "save", str, None),
 )
 # (flag, dest, default) of store_true switches; --disable-bias-linear is Megatron's store_false.
 _MODEL_SWITCHES: tuple[tuple[str, str, bool], ...] = (
@@ -195,7 +221,7 @@ def parse_megatron_args(argv: Sequence[str]) -> argparse.Namespace:
     for flag, dest, default in _MODEL_SWITCHES:
         parser.add_argument(flag, dest=dest, action="store_true", default=default)
     parser.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=True)
-    for flag, (dest, kind, default) in _PINNABLE.items():
+    for flag, (dest, kind, default) in PINNABLE.items():
         if not any(a.dest == dest for a in parser._actions):
             parser.add_argument(flag, dest=dest, **({"action": "store_true", "default": False} if kind is None
                                                      else {"type": kind, "default": default}))
@@ -341,154 +367,6 @@ def model_spec_from_args(ns: argparse.Namespace, defaults: Mapping[str, Any] | N
         raise SpecError(exc.key, exc.value, exc.rule, exc.fix, where="model read from the Megatron arguments") from exc
 
 
-# ---- pinned sizes ----------------------------------------------------------------------------------
-
-# flag -> (dest, type (None: a switch), Megatron default): sizes and options the search chooses.
-_PINNABLE: dict[str, tuple[str, Callable[[str], Any] | None, Any]] = {
-    "--tensor-model-parallel-size": ("tensor_model_parallel_size", int, 1),
-    "--pipeline-model-parallel-size": ("pipeline_model_parallel_size", int, 1),
-    "--num-layers-per-virtual-pipeline-stage": ("num_layers_per_virtual_pipeline_stage", int, None),
-    "--num-virtual-stages-per-pipeline-rank": ("num_virtual_stages_per_pipeline_rank", int, None),
-    "--decoder-first-pipeline-num-layers": ("decoder_first_pipeline_num_layers", int, None),
-    "--decoder-last-pipeline-num-layers": ("decoder_last_pipeline_num_layers", int, None),
-    "--context-parallel-size": ("context_parallel_size", int, 1),
-    "--expert-model-parallel-size": ("expert_model_parallel_size", int, 1),
-    "--expert-tensor-parallel-size": ("expert_tensor_parallel_size", int, None),
-    "--micro-batch-size": ("micro_batch_size", int, None),
-    "--recompute-granularity": ("recompute_granularity", str, None),
-    "--recompute-method": ("recompute_method", str, None),
-    "--recompute-num-layers": ("recompute_num_layers", int, None),
-    "--sequence-parallel": ("sequence_parallel", None, False),
-    "--use-distributed-optimizer": ("use_distributed_optimizer", None, False),
-    "--grad-reduce-in-bf16": ("grad_reduce_in_bf16", None, False),
-    "--optimizer-cpu-offload": ("optimizer_cpu_offload", None, False),
-    "--optimizer-offload-fraction": ("optimizer_offload_fraction", float, 1.0),
-    "--moe-token-dispatcher-type": ("moe_token_dispatcher_type", str, "allgather"),
-    "--moe-shared-expert-overlap": ("moe_shared_expert_overlap", None, False),
-}
-
-
-def explicit_flags(argv: Sequence[str]) -> dict[str, Any]:
-    """dest -> value of every pinnable flag written on the command line (defaults suppressed)."""
-    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False, argument_default=argparse.SUPPRESS)
-    for flag, (dest, kind, _) in _PINNABLE.items():
-        if kind is None:
-            parser.add_argument(flag, dest=dest, action="store_true")
-        else:
-            parser.add_argument(flag, dest=dest, type=kind)
-    known, _ = parser.parse_known_args(list(argv))
-    return vars(known)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Pins:
-    """What the command line fixed (dest -> value, as written) and the search must keep."""
-
-    given: tuple[tuple[str, Any], ...]
-    a2a: A2AFlag = "auto"
-    chunks: int | None = None
-    tune: bool = False
-
-    @property
-    def values(self) -> dict[str, Any]:
-        return dict(self.given)
-
-    def describe(self) -> str:
-        """e.g. ``--tensor-model-parallel-size 4, --piper-a2a pipelined`` (or ``none``)."""
-        flags = {dest: flag for flag, (dest, _, _) in _PINNABLE.items()}
-        parts = [flags[d] if v is True else f"{flags[d]} {v}" for d, v in self.given]
-        parts += [f"--piper-a2a {self.a2a}"] if self.a2a != "auto" else []
-        parts += [f"--piper-chunks {self.chunks}"] if self.chunks is not None else []
-        parts += ["--piper-chunks tune"] if self.tune else []
-        return ", ".join(parts) or "none"
-
-
-def pins_from(argv: Sequence[str], options: PiperOptions) -> Pins:
-    """The pins of a command line; rejects flags the search cannot honour (SpecError)."""
-    given = explicit_flags(argv)
-    if "decoder_first_pipeline_num_layers" in given:
-        raise SpecError("--decoder-first-pipeline-num-layers", given["decoder_first_pipeline_num_layers"],
-                        "Piper's search splits layers evenly or shortens the last stage only",
-                        "drop it (or use --decoder-last-pipeline-num-layers), or run without --piper")
-    dispatcher = given.get("moe_token_dispatcher_type", "alltoall")
-    if dispatcher != "alltoall":
-        raise SpecError("--moe-token-dispatcher-type", dispatcher, "--piper replaces Megatron's alltoall token "
-                        "dispatcher with Piper's; other dispatchers cannot be combined with it",
-                        "drop the flag, or plan with `piper plan --export-megatron` and run without --piper")
-    if given.get("moe_shared_expert_overlap"):
-        raise SpecError("--moe-shared-expert-overlap", True, "Piper's dispatcher runs its own exchanges "
-                        "(Megatron overlaps the shared expert inside the stock token_dispatch/token_combine)",
-                        "drop --moe-shared-expert-overlap")
-    etp = given.get("expert_tensor_parallel_size")
-    if etp is not None and etp != 1:
-        raise SpecError("--expert-tensor-parallel-size", etp, "Piper's token dispatcher runs with expert "
-                        "tensor parallel size 1 (experts whole on each expert-parallel rank)",
-                        "drop the flag or set it to 1, or run without --piper")
-    if options.tune and given.get("recompute_granularity") == "full":
-        raise SpecError("--piper-chunks", "tune", "full recompute runs each MoE layer's forward twice, and a layer "
-                        "still tuning would run the two with different chunk counts", "give a chunk count "
-                        "(--piper-chunks N or auto), or drop --recompute-granularity full")
-    return Pins(given=tuple(sorted(given.items())), a2a=options.a2a, chunks=options.chunks, tune=options.tune)
-
-
-def _a2a_choices(pins: Pins) -> tuple[tuple[str, int], ...]:
-    if pins.a2a == "pipelined" or pins.tune:
-        chunks = (pins.chunks,) if pins.chunks else tuple(c for a, c in A2A_CHOICES if a == "pipelined")
-        return tuple(("pipelined", c) for c in chunks)
-    if pins.a2a != "auto":
-        return ((pins.a2a, 1),)
-    if pins.chunks is None:
-        return A2A_CHOICES
-    return (("pipelined", pins.chunks),) if pins.chunks > 1 else tuple(c for c in A2A_CHOICES if c[1] == 1)
-
-
-def restrict(space: SearchSpace, pins: Pins) -> SearchSpace:
-    """``space`` with each pinned dimension reduced to the pinned value (which may lie outside the
-    default range), the expert tensor parallel size at 1 (Piper's dispatcher) and the all-to-all
-    choices of ``--piper-a2a``/``--piper-chunks``."""
-    v = pins.values
-    out: dict[str, Any] = {"etp_equals_tp": (False,), "a2a": _a2a_choices(pins)}
-    for dest, dim in (("tensor_model_parallel_size", "tp"), ("pipeline_model_parallel_size", "pp"),
-                      ("context_parallel_size", "cp"), ("expert_model_parallel_size", "ep"),
-                      ("micro_batch_size", "mbs"), ("num_virtual_stages_per_pipeline_rank", "vpp")):
-        if dest in v:
-            out[dim] = (v[dest],)
-    if pins.tune:  # a layer still tuning must not run its forward twice (recompute) with two chunk counts
-        out["recompute"] = tuple(r for r in space.recompute if r != "full")
-    if pins.a2a != "auto" or (pins.chunks or 1) > 1 or pins.tune:  # a chosen all-to-all needs expert parallelism
-        out["ep"] = tuple(e for e in out.get("ep", space.ep) if e > 1)
-        if not out["ep"]:
-            raise SpecError("--piper-a2a/--piper-chunks", f"{pins.a2a}/{'tune' if pins.tune else pins.chunks or 'auto'}",
-                            "choose the "
-                            "expert all-to-all, which needs expert parallelism (ep > 1; the model has no experts or "
-                            "ep is pinned to 1)", "drop --piper-a2a/--piper-chunks or pin ep > 1")
-    if v.get("sequence_parallel") and "tensor_model_parallel_size" not in v:
-        out["tp"] = tuple(t for t in space.tp if t > 1) or space.tp
-    if "recompute_granularity" in v:
-        out["recompute"] = (v["recompute_granularity"],)
-    if v.get("use_distributed_optimizer"):
-        out["distributed_optimizer"] = (True,)
-    savers = space.memory_savers
-    if v.get("grad_reduce_in_bf16"):
-        savers = tuple(s for s in savers if s[0])
-    if v.get("optimizer_cpu_offload"):
-        fraction = v.get("optimizer_offload_fraction", 1.0)
-        savers = tuple((bf16, fraction) for bf16, offload in savers if offload > 0) or ((True, fraction),)
-        out["distributed_optimizer"] = (True,)
-    out["memory_savers"] = savers
-    return dataclasses.replace(space, **out)
-
-
-def admits(plan: ParallelPlan, model: ModelSpec, pins: Pins) -> bool:
-    """Pins the search space cannot express: layers per virtual stage and the last stage's layers."""
-    v = pins.values
-    per_vstage = v.get("num_layers_per_virtual_pipeline_stage")
-    if per_vstage is not None and (plan.vpp or 1) * plan.pp * per_vstage != model.num_layers:
-        return False
-    last = v.get("decoder_last_pipeline_num_layers")
-    return last is None or plan.num_layers_in_last_pipeline_stage == last
-
-
 # ---- rewrite -----------------------------------------------------------------------------------------
 
 # Settings the plan owns: when a plan leaves one out, it is reset to Megatron's default so that a
@@ -497,8 +375,8 @@ _RESETS: dict[str, Any] = {
     "num_layers_per_virtual_pipeline_stage": None, "num_virtual_stages_per_pipeline_rank": None,
     "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
     "sequence_parallel": False, "recompute_granularity": None, "recompute_method": None,
-    "recompute_num_layers": None, "use_distributed_optimizer": False, "grad_reduce_in_bf16": False,
-    "optimizer_cpu_offload": False,
+    "recompute_num_layers": None, "use_distributed_optimizer": False, "overlap_param_gather": False,
+    "grad_reduce_in_bf16": False, "optimizer_cpu_offload": False, "use_precision_aware_optimizer": False,
 }
 # export.parallel_flags dests that are inputs to the plan, not choices of it.
 _INPUTS = frozenset({"global_batch_size", "bf16", "fp16", "attention_backend"})
@@ -507,8 +385,8 @@ _VPP = ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipelin
 
 def megatron_settings(model: ModelSpec, plan: ParallelPlan, pins: Pins) -> dict[str, Any]:
     """dest -> value for Megatron's arguments under ``plan`` (flag names from
-    :func:`piper_core.export.parallel_flags`, in its order, then the resets), without the dests
-    the user gave explicitly."""
+    :func:`piper_core.export.parallel_flags`, in its order, then the resets), the switches of
+    ``--piper-off`` off, without the dests the user gave explicitly."""
     settings: dict[str, Any] = {}
     for flag, value in parallel_flags(model, plan):
         dest = flag[2:].replace("-", "_")
@@ -517,6 +395,7 @@ def megatron_settings(model: ModelSpec, plan: ParallelPlan, pins: Pins) -> dict[
     if model.is_moe:
         settings["moe_token_dispatcher_type"] = "alltoall"
     settings |= {dest: value for dest, value in _RESETS.items() if dest not in settings}
+    settings |= pins.off_dests  # e.g. --overlap-grad-reduce, which every plan sets otherwise
     given = pins.values
     skip = set(given) | (set(_VPP) if any(d in given for d in _VPP) else set())
     if "recompute_granularity" in given:

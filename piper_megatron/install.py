@@ -8,8 +8,10 @@ validates its arguments (without it, nothing of Megatron is imported or changed)
    the name up in ``megatron.training.arguments`` when it runs).
 2. ``validate_args`` first plans: the model spec from Megatron's parsed arguments, the world size
    from the launcher (``args.world_size``, Megatron's reading of WORLD_SIZE), the search restricted
-   by the sizes written on the command line, then the rewrite of tp/pp/vpp/ep/etp/cp, micro batch,
-   recompute, sequence parallelism, memory savers and the dispatcher type. Rank 0 prints the plan.
+   by the sizes written on the command line (and ``--piper-off``), or to the plan a ``--load``
+   checkpoint was saved with (:mod:`piper_megatron.resume`), then the rewrite of tp/pp/vpp/ep/etp/cp,
+   micro batch, recompute, sequence parallelism, memory savers and the dispatcher type. Rank 0
+   prints the plan and, with ``--save``, records it there.
    An infeasible request raises :class:`piper_core.errors.Infeasible` here, before any model
    exists; ``--piper-plan-only`` exits here. Hooked where each API calls it: 0.17-0.19's
    ``parse_and_validate_args`` calls ``arguments.validate_args``; 0.16's ``initialize_megatron``
@@ -26,17 +28,19 @@ validates its arguments (without it, nothing of Megatron is imported or changed)
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from packaging.version import InvalidVersion, Version
 
-from piper_core.cli.plan import min_gpus, render
+from piper_core.cli.plan import describe, min_gpus, render
 from piper_core.errors import Infeasible, SpecError
 from piper_core.calibrate.profile import load_profile
 from piper_core.presets import load_cluster
@@ -47,18 +51,17 @@ from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
 from piper_megatron.args import (
     Change,
-    Pins,
     PiperOptions,
     add_piper_arguments,
-    admits,
     apply_settings,
+    check_piper_flags,
     megatron_settings,
     model_spec_from_args,
     parse_piper_options,
-    pins_from,
     piper_options,
-    restrict,
 )
+from piper_megatron.pins import Pins, admits, pins_from, restrict
+from piper_megatron.resume import PlanRecord, check_save, make_record, narrow, resume_from, widen, write_record
 
 Api = Literal["0.16", "0.17-0.19"]
 TOP = 5
@@ -119,13 +122,33 @@ def _cluster(options: PiperOptions) -> tuple[ClusterSpec, list[str]]:
     return load_cluster(options.cluster), []
 
 
-def _check_precision(ns: Any) -> None:
-    """The search plans bf16 training (ParallelPlan's default; its memory savers include bf16
-    gradient reduction, which Megatron refuses with fp16)."""
-    if not getattr(ns, "bf16", False):
-        precision = "fp16" if getattr(ns, "fp16", False) else "fp32"
-        raise SpecError("precision", precision, "Piper's search plans bf16 mixed-precision training",
-                        "add --bf16 (and drop --fp16)")
+# Pinnable flags that only mean something in bf16 mixed precision: validate_args reads
+# --grad-reduce-in-bf16 only under --bf16 (fp32 gradients stay fp32), and the offloaded optimizer runs
+# the precision-aware optimizer, whose savings Piper prices as fp32 master copies of bf16 weights.
+_BF16_ONLY = (("grad_reduce_in_bf16", "--grad-reduce-in-bf16"), ("optimizer_cpu_offload", "--optimizer-cpu-offload"))
+FP32_NOTE = ("this job trains in fp32 (no --bf16): the plan is chosen and its memory and step time predicted for "
+             "bf16 mixed precision; the search leaves out bf16 gradient reduction and optimizer offload")
+
+
+def _check_precision(ns: Any, pins: Pins) -> str | None:
+    """bf16 (what the search plans: ParallelPlan's default) passes; fp32 passes with a note (the
+    predictions assume bf16) unless a bf16-only flag is pinned; fp16 is refused (its loss scaling
+    and fp16 weights are not modelled). Returns the note, or None."""
+    if getattr(ns, "bf16", False):
+        return None
+    if getattr(ns, "fp16", False):
+        raise SpecError("precision", "fp16", "Piper's search plans bf16 mixed-precision training (fp32 runs with a "
+                        "note); fp16's loss scaling is not modelled", "use --bf16, or drop --fp16 to train in fp32")
+    bf16_only = [flag for dest, flag in _BF16_ONLY if pins.values.get(dest)]
+    if bf16_only:
+        raise SpecError(bf16_only[0], True, "acts only in bf16 mixed precision, and this job trains in fp32 (no "
+                        "--bf16)", f"add --bf16, or drop {', '.join(bf16_only)}")
+    return FP32_NOTE
+
+
+def _fp32_space(space: SearchSpace) -> SearchSpace:
+    """No bf16 gradient reduction or optimizer offload (see :data:`_BF16_ONLY`) for an fp32 job."""
+    return dataclasses.replace(space, memory_savers=((False, 0.0),))
 
 
 def _attention(ns: Any) -> str:
@@ -138,23 +161,32 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
              limit: Callable[[SearchSpace], SearchSpace] | None = None) -> Planned:
     """Search the plans for the job ``ns`` describes (Megatron's argument names) on ``world_size``
     GPUs, keeping the sizes written in ``argv``. Raises Infeasible when none fits. ``limit``
-    narrows the search space further (e.g. to what a CPU trainer runs)."""
+    narrows the search space further (e.g. to what a CPU trainer runs). A checkpoint in ``--load``
+    restricts the search to the plan it was saved with (:mod:`piper_megatron.resume`)."""
+    check_piper_flags(argv)
     if getattr(ns, "use_checkpoint_args", False) or getattr(ns, "yaml_cfg", None):
         raise SpecError("--use-checkpoint-args/--yaml-cfg", "given", "with --piper the sizes come from the "
                         "command line and the plan", "drop --use-checkpoint-args/--yaml-cfg, or run without --piper")
     if world_size < 1:
         raise SpecError("world size", world_size, "must be >= 1", "launch with torchrun, or pass --piper-world-size N "
                         "with --piper-plan-only")
-    _check_precision(ns)
     model, pins = model_spec_from_args(ns, defaults), pins_from(argv, options)
+    precision_note = _check_precision(ns, pins)
     cluster, notes = _cluster(options)
+    notes += [precision_note] if precision_note else []
     gbs = getattr(ns, "global_batch_size", None)
     if gbs is None:
         raise SpecError("--global-batch-size", None, "is required with --piper (Megatron's default, micro batch x "
                         "data parallel size, would change with the plan)", "add --global-batch-size N")
-    space = restrict(default_space(model, cluster, world_size), pins)
+    resume = resume_from(ns, model, world_size, pins)
+    space = restrict(widen(default_space(model, cluster, world_size), resume), pins)
+    if precision_note:
+        space = _fp32_space(space)
     if limit is not None:
         space = limit(space)
+    if resume is not None:
+        space = narrow(space, resume, model, pins, world_size=world_size, gbs=gbs, attention=_attention(ns))
+        notes.append(resume.note(cluster.name))
     result = search(model, cluster, world_size, gbs, space=space, attention_backend=_attention(ns))
     kept = [s for s in result.scored if admits(s.plan, model, pins)]
     if len(kept) < len(result.scored):
@@ -162,14 +194,26 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
         result.scored = kept
     best = tuple(best_predictions(model, cluster, result, TOP))
     if not best:
-        raise Infeasible(_no_plan(model, cluster, world_size, gbs, pins, result), rule="no feasible plan")
-    given = pins.values
+        hint = resume.hint() if resume is not None else ""
+        raise Infeasible(_no_plan(model, cluster, world_size, gbs, pins, result) + hint, rule="no feasible plan")
+    check_save(ns, resume, model, best[0].plan)
+    return Planned(model=model, cluster=cluster, gpus=world_size, gbs=gbs, pins=pins, result=result, best=best,
+                   notes=tuple(notes + _pin_notes(pins)))
+
+
+def _pin_notes(pins: Pins) -> list[str]:
+    """What the predictions assume that the pins change."""
+    notes, given = [], pins.values
     if given.get("recompute_granularity") == "full" and (given.get("recompute_method", "uniform"),
                                                          given.get("recompute_num_layers", 1)) != ("uniform", 1):
         notes.append("your --recompute-method/--recompute-num-layers are kept; the predictions assume full "
                      "recompute with --recompute-method uniform --recompute-num-layers 1")
-    return Planned(model=model, cluster=cluster, gpus=world_size, gbs=gbs, pins=pins, result=result, best=best,
-                   notes=tuple(notes))
+    overlap = [name for name in pins.off_all if name.startswith("overlap-")]
+    if overlap:
+        notes.append(f"--piper-off {', '.join(overlap)}: the predicted step time assumes Megatron overlaps the "
+                     "data-parallel gradient reduction and parameter gathering with compute (piper_core.timing.step); "
+                     "without it the step takes longer than predicted")
+    return notes
 
 
 def _no_plan(model: ModelSpec, cluster: ClusterSpec, gpus: int, gbs: int, pins: Pins, result: SearchResult) -> str:
@@ -262,11 +306,8 @@ class Installation:
     def apply(self) -> None:
         try:
             arguments = importlib.import_module("megatron.training.arguments")
-        except ModuleNotFoundError as exc:
-            raise SpecError("megatron.training", "not importable", f"--piper hooks Megatron-LM's argument parsing "
-                            f"({exc}); the megatron-core 0.16 wheel ships only megatron/core",
-                            "run the script from a Megatron-LM checkout (python -m piper_megatron puts the script's "
-                            "directory first on sys.path), or plan without it: --piper-plan-only") from exc
+        except ImportError as exc:
+            raise _import_error(exc) from exc
         if self.api == "0.17-0.19" and not hasattr(arguments, "parse_and_validate_args"):
             raise SpecError("megatron.training.arguments", "parse_and_validate_args missing", "megatron-core reports "
                             "0.17-0.19 but its megatron.training has the older API", "use matching megatron-core and "
@@ -294,7 +335,8 @@ class Installation:
         return validate_args
 
     def prepare(self, args: Any, defaults: dict[str, Any]) -> None:
-        """Plan, rewrite ``args`` in place, report on rank 0; exits for ``--piper-plan-only``."""
+        """Plan, rewrite ``args`` in place, report on rank 0; exits for ``--piper-plan-only``. With
+        ``--save DIR``, rank 0 records the plan in DIR for a run that resumes from it."""
         options = piper_options(args)
         argv = self._argv if self._argv is not None else sys.argv[1:]
         world = options.world_size or getattr(args, "world_size", 1)
@@ -305,11 +347,22 @@ class Installation:
             print(report(self.planned, self.changes, dispatcher_description(self.planned)), file=self._out, flush=True)
         if options.plan_only:
             raise SystemExit(0)
+        if getattr(args, "save", None) and getattr(args, "rank", 0) == 0:
+            path = write_record(Path(args.save), self._record(args))
+            print(f"piper: plan recorded in {path} (a run with --load {args.save} resumes with it)", file=self._out,
+                  flush=True)
         if self.planned.model.is_moe:
             self.hook_model_parallel(DispatchRequest(
                 a2a=plan.a2a, chunks=plan.a2a_chunks, tune=options.tune,
                 ranks_per_node=_ranks_per_node() or self.planned.cluster.gpus_per_node,
                 timeout_minutes=getattr(args, "distributed_timeout_minutes", 10), trace=options.trace))
+
+    def _record(self, args: Any) -> PlanRecord:
+        """The plan's record, with the values ``args`` now holds for every setting Piper owns."""
+        planned, plan = self.planned, self.planned.top.plan
+        owned = [*megatron_settings(planned.model, plan, Pins(given=(), off=planned.pins.off)), *planned.pins.values]
+        return make_record(model=planned.model, cluster=planned.cluster.name, plan=plan, label=describe(plan),
+                           megatron={dest: getattr(args, dest, None) for dest in owned})
 
     def hook_model_parallel(self, request: DispatchRequest) -> None:
         """Install Piper's dispatcher as ``request`` says once ``initialize_model_parallel`` has made
@@ -347,6 +400,37 @@ class Installation:
             atexit.register(self._tracer.close)
         settings = DispatchSettings.from_plan(request.a2a, request.chunks, tune=request.tune)
         self._dispatcher = install_dispatcher(comm, settings, tracer=self._tracer)
+
+
+# megatron.training's imports beyond the megatron-core wheel's requirements (pyproject's megatron-lm extra).
+TRAINING_EXTRAS = ("six", "regex")
+
+
+def _import_error(exc: ImportError) -> SpecError:
+    """Why ``megatron.training.arguments`` did not import: no checkout, a checkout of another
+    version than megatron-core, or a package Megatron-LM's training code needs (named)."""
+    name = getattr(exc, "name", None) or ""
+    if isinstance(exc, ModuleNotFoundError) and name in ("megatron", "megatron.training",
+                                                         "megatron.training.arguments"):
+        return SpecError("megatron.training", "not importable", f"--piper hooks Megatron-LM's argument parsing "
+                         f"({exc}); the megatron-core 0.16 wheel ships only megatron/core",
+                         "run the script from a Megatron-LM checkout (python -m piper_megatron puts the script's "
+                         "directory first on sys.path), or plan without it: --piper-plan-only")
+    if name == "megatron" or name.startswith("megatron."):
+        return SpecError("megatron.training", f"needs {name}", f"Megatron-LM's training code imports {name}, which "
+                         f"the installed megatron-core lacks ({exc})", "use a Megatron-LM checkout of the same version "
+                         "as megatron-core (tag core_vX.Y.Z for megatron-core X.Y.Z)")
+    if isinstance(exc, ModuleNotFoundError) and name:
+        package = name.split(".")[0]
+        packages = TRAINING_EXTRAS if package in TRAINING_EXTRAS else (package, *TRAINING_EXTRAS)
+        extra = " (or the extra that holds them: pip install 'piper-moe[megatron-lm]')" if package in TRAINING_EXTRAS \
+            else ""
+        return SpecError("megatron.training", f"needs {package}", f"Megatron-LM's training code imports {name}, "
+                         f"which is not installed ({exc}); it needs packages the megatron-core wheel does not "
+                         f"declare, e.g. {' and '.join(TRAINING_EXTRAS)}", f"pip install {' '.join(packages)}{extra}")
+    return SpecError("megatron.training", "not importable", f"importing megatron.training.arguments failed: {exc}",
+                     "use a Megatron-LM checkout that matches megatron-core and this Python (0.17 and later need "
+                     "Python 3.12)")
 
 
 def _ranks_per_node() -> int | None:

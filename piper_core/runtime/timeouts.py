@@ -61,6 +61,12 @@ def kind_of(cause: BaseException) -> Kind:
     return "peer gone" if any(s in text for s in _GONE) else "failed"
 
 
+def first_line(cause: BaseException) -> str:
+    """The backend's error in one line, without gloo's source-location prefix and generic advice."""
+    text = str(cause).strip()
+    return _NOISE.sub("", text.splitlines()[0]).rstrip(".") if text else type(cause).__name__
+
+
 class CollectiveError(RuntimeError):
     """A collective of the runtime failed or did not complete within its timeout; ``kind`` says
     which (:func:`kind_of`), ``cause`` is the backend's error (also ``__cause__``)."""
@@ -69,8 +75,7 @@ class CollectiveError(RuntimeError):
         self.what, self.timeout, self.cause, self.kind = what, timeout, cause, kind_of(cause)
         others = [r for r in what.ranks if r != what.rank]
         limit = f"within {timeout.total_seconds():g} s" if timeout is not None else "within the group's timeout"
-        text = str(cause).strip()
-        first = _NOISE.sub("", text.splitlines()[0]).rstrip(".") if text else type(cause).__name__
+        first = first_line(cause)
         if posting:
             failed = "could not post it"
         elif self.kind == "peer gone":

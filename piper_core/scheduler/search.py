@@ -3,7 +3,9 @@
 Each raw combination is first checked with cheap structural rules (Megatron's divisibility
 rules, in the order below, the first failure being the reason); survivors become a
 ``ParallelPlan``, their memory is predicted once, and the all-to-all variants share it and are
-timed separately. Plans are ranked by predicted tokens/s (equivalently MFU) and, at equal speed,
+timed separately. A candidate the resource model finds infeasible (``Infeasible``: a rule of the
+host framework the structural checks do not cover) is rejected with its reason like any other; it
+never ends the search. Plans are ranked by predicted tokens/s (equivalently MFU) and, at equal speed,
 by lower peak memory.
 """
 
@@ -15,7 +17,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from piper_core.errors import SpecError
+from piper_core.errors import Infeasible, SpecError
 from piper_core.resource.memory import GIB, stage_memory, with_state_of
 from piper_core.resource.predict import Prediction, predict
 from piper_core.scheduler.space import SearchSpace, default_space, grid, pipeline_split
@@ -68,7 +70,8 @@ def _rank_key(s: Scored) -> tuple:
     return (round(math.log(s.step_s) * 1e6), s.peak_bytes, simplicity)
 
 
-def _structural(model: ModelSpec, gpus: int, gbs: int, combo: tuple) -> tuple[dict | None, str | None]:
+def _structural(model: ModelSpec, gpus: int, gbs: int, combo: tuple,
+                sequence_parallel: bool = True) -> tuple[dict | None, str | None]:
     """Kwargs for ParallelPlan, or the first Megatron rule the combination breaks."""
     tp, pp, vpp, cp, ep, etp_is_tp, mbs, recompute, dist_opt = combo
     etp = tp if etp_is_tp else 1
@@ -94,8 +97,9 @@ def _structural(model: ModelSpec, gpus: int, gbs: int, combo: tuple) -> tuple[di
     if gbs % (mbs * dp):
         return None, "gbs not divisible by mbs*dp"
     kwargs = dict(gpus=gpus, tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, cp=cp, ep=ep, etp=etp,
-                  sequence_parallel=tp > 1, micro_batch_size=mbs, global_batch_size=gbs, recompute=recompute,
-                  recompute_num_layers=1 if recompute == "full" else None, distributed_optimizer=dist_opt,
+                  sequence_parallel=tp > 1 and sequence_parallel, micro_batch_size=mbs, global_batch_size=gbs,
+                  recompute=recompute, recompute_num_layers=1 if recompute == "full" else None,
+                  distributed_optimizer=dist_opt,
                   num_layers_in_last_pipeline_stage=last)
     return kwargs, None
 
@@ -117,7 +121,7 @@ def search(model: ModelSpec, cluster: ClusterSpec, gpus: int, gbs: int, *, space
             continue  # the same plan as etp=1
         variants = space.a2a if ep > 1 else (("flat", 1),)
         result.candidates += len(variants)
-        kwargs, reason = _structural(model, gpus, gbs, combo)
+        kwargs, reason = _structural(model, gpus, gbs, combo, space.sequence_parallel)
         if kwargs is None:
             result.rejected[reason] += len(variants)
             continue
@@ -128,14 +132,15 @@ def search(model: ModelSpec, cluster: ClusterSpec, gpus: int, gbs: int, *, space
         except SpecError as exc:
             result.rejected[f"invalid {exc.key}"] += len(variants)
             continue
-        base, peak, reason = _fit(model, cluster, base, space, limit)
+        try:
+            base, peak, reason = _fit(model, cluster, base, space, limit)
+            scored = [] if base is None else [_score(model, cluster, base, peak, v) for v in variants]
+        except Infeasible as exc:  # a host-framework rule the structural checks do not know
+            base, reason = None, exc.reason
         if base is None:
             result.rejected[reason] += len(variants)
             continue
-        for algo, chunks in variants:
-            plan = base if (algo, chunks) == ("flat", 1) else _with_a2a(base, algo, chunks)
-            result.scored.append(Scored(plan=plan, step_s=step_time(model, plan, cluster, exact=False).step,
-                                        peak_bytes=peak))
+        result.scored += scored
         if progress and n % 256 == 0:
             progress(n, len(combos))
     if progress:
@@ -143,6 +148,12 @@ def search(model: ModelSpec, cluster: ClusterSpec, gpus: int, gbs: int, *, space
     _retime(model, cluster, result)
     result.elapsed_s = time.perf_counter() - start
     return result
+
+
+def _score(model: ModelSpec, cluster: ClusterSpec, base: ParallelPlan, peak: int, variant: tuple[str, int]) -> Scored:
+    """``base`` with the all-to-all ``variant`` (algorithm, chunks), timed by the closed form."""
+    plan = base if variant == ("flat", 1) else _with_a2a(base, *variant)
+    return Scored(plan=plan, step_s=step_time(model, plan, cluster, exact=False).step, peak_bytes=peak)
 
 
 def _retime(model: ModelSpec, cluster: ClusterSpec, result: SearchResult) -> None:

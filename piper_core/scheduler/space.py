@@ -22,7 +22,8 @@ class SearchSpace:
     ``memory_savers`` are (grad_reduce_in_bf16, optimizer_offload_fraction) pairs tried in order for
     each combination, the first that fits being kept: they only ever cost time, so a plan uses
     one only when it does not fit without it (offload needs the distributed optimizer and host
-    memory in the cluster spec).
+    memory in the cluster spec). ``sequence_parallel``: whether plans with tp > 1 use sequence
+    parallelism (Megatron-Core needs it for MoE with tp > 1, so False leaves MoE models at tp = 1).
     """
 
     tp: tuple[int, ...]
@@ -36,6 +37,7 @@ class SearchSpace:
     distributed_optimizer: tuple[bool, ...] = (True, False)
     a2a: tuple[tuple[str, int], ...] = A2A_CHOICES
     memory_savers: tuple[tuple[bool, float], ...] = ((False, 0.0), (True, 0.0), (True, 1.0))
+    sequence_parallel: bool = True
 
     @property
     def size(self) -> int:

@@ -28,7 +28,7 @@ REPORTED = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtu
             "micro_batch_size", "global_batch_size", "recompute_granularity", "recompute_method",
             "recompute_num_layers", "use_distributed_optimizer", "moe_token_dispatcher_type", "grad_reduce_in_bf16",
             "optimizer_cpu_offload", "decoder_last_pipeline_num_layers", "data_parallel_size", "piper",
-            "piper_cluster", "padded_vocab_size")
+            "piper_cluster", "padded_vocab_size", "overlap_grad_reduce", "overlap_param_gather")
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 

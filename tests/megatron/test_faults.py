@@ -305,3 +305,52 @@ def test_piper_takes_its_timeout_from_distributed_timeout_minutes(minutes: int |
     monkeypatch.setattr(Installation, "hook_model_parallel", lambda self, request: requests.append(request))
     Installation("0.16", argv, io.StringIO()).prepare(ns, {})
     assert [r.timeout_minutes for r in requests] == [10 if minutes is None else minutes]
+
+
+# ---- the launcher's line for a collective of Megatron's ---------------------------------------------
+
+_FAKE_DDP = '''
+def finish_grad_sync():
+    raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1759: "
+                       "Connection reset by peer. This is typically caused by a remote worker crashing. GLHF!")
+'''
+
+
+def _script(tmp_path: Path, body: str) -> str:
+    """A script that calls ``body`` from a module whose path lies under a ``megatron/`` folder."""
+    (tmp_path / "megatron").mkdir()
+    (tmp_path / "megatron" / "fake_ddp.py").write_text(_FAKE_DDP)
+    script = tmp_path / "train.py"
+    script.write_text("import importlib.util, pathlib\n"
+                      "spec = importlib.util.spec_from_file_location('fake_ddp', pathlib.Path(__file__).parent / "
+                      "'megatron' / 'fake_ddp.py')\n"
+                      "ddp = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(ddp)\n" + body)
+    return str(script)
+
+
+def test_launcher_names_the_rank_and_megatron_operation_of_a_lost_peer(tmp_path: Path, capsys,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a rank stops in Megatron's own collective (gloo's bare error), ``python -m piper_megatron``
+    prints which rank, which Megatron function and what the backend said, then the traceback."""
+    from piper_megatron.__main__ import main
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr("sys.argv", list(__import__("sys").argv))  # run_script sets argv and path[0]
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    with pytest.raises(RuntimeError, match="Connection reset by peer"):
+        main([_script(tmp_path, "ddp.finish_grad_sync()\n")])
+    line = capsys.readouterr().err.strip()
+    assert line == ("piper_megatron: rank 1 of 2 stopped in finish_grad_sync (megatron/fake_ddp.py:3), a collective "
+                    "of Megatron's: it lost a peer (a rank exited, crashed or was killed; the first error in the "
+                    "job's logs names it): RuntimeError: Read error [127.0.0.1]:1759: Connection reset by peer"), line
+
+
+def test_launcher_adds_nothing_to_other_errors(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    from piper_megatron.__main__ import main
+
+    monkeypatch.setattr("sys.argv", list(__import__("sys").argv))  # run_script sets argv and path[0]
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        main([_script(tmp_path, "raise RuntimeError('shape mismatch')\n")])
+    assert capsys.readouterr().err == ""

@@ -41,14 +41,13 @@ from piper_core.presets import load_model, model_names
 from piper_megatron.args import (
     apply_settings,
     eval_layer_pattern,
-    explicit_flags,
     megatron_settings,
     model_spec_from_args,
     moe_layout,
     parse_megatron_args,
     parse_piper_options,
-    pins_from,
 )
+from piper_megatron.pins import explicit_flags, pins_from
 from piper_megatron.install import dispatcher_description, megatron_api, plan_job, report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -218,10 +217,29 @@ def test_planning_needs_what_it_cannot_guess(tmp_path):
     no_gbs = [a for a in BASE if a not in ("--global-batch-size", "64")]
     with pytest.raises(SpecError, match="--global-batch-size=None: is required with --piper"):
         planned(no_gbs + PIPER)
-    with pytest.raises(SpecError, match="precision='fp32': Piper's search plans bf16"):
-        planned([a for a in BASE if a != "--bf16"] + PIPER)
+    with pytest.raises(SpecError, match="precision='fp16': Piper's search plans bf16.*drop --fp16 to train in fp32"):
+        planned([a if a != "--bf16" else "--fp16" for a in BASE] + PIPER)
     with pytest.raises(SpecError, match="--piper-cluster=None: is required"):
         planned(BASE + ["--piper"])
+
+
+def test_fp32_is_planned_as_bf16_with_a_note_and_without_bf16_only_savers():
+    """fp32 (no --bf16): planned, with a note; bf16 gradient reduction and optimizer offload (which
+    validate_args reads only under --bf16 / runs as the precision-aware optimizer) are never chosen,
+    even where the bf16 job of the same model needs them to fit."""
+    fp32 = [a for a in BASE if a != "--bf16"]
+    job = planned(fp32 + PIPER)
+    assert any("trains in fp32" in note and "bf16 mixed precision" in note for note in job.notes)
+    assert "piper: note: this job trains in fp32" in report(job, [], None)
+    assert job.top.plan == planned(BASE + PIPER).top.plan  # planned as the bf16 job
+    assert not any("fp32" in note for note in planned(BASE + PIPER).notes)
+    assert planned(SWITCH + PIPER, world=64).top.plan.grad_reduce_in_bf16  # the bf16 job fits only with savers
+    with pytest.raises(Infeasible, match="fits 64 GPUs"):
+        planned([a for a in SWITCH if a != "--bf16"] + PIPER, world=64)
+    with pytest.raises(SpecError, match="--grad-reduce-in-bf16=True: acts only in bf16.*add --bf16, or drop"):
+        planned(fp32 + PIPER + ["--grad-reduce-in-bf16"])
+    with pytest.raises(SpecError, match="--optimizer-cpu-offload=True: acts only in bf16"):
+        planned(fp32 + PIPER + ["--optimizer-cpu-offload"])
 
 
 def test_profile_is_loaded_as_the_calibrated_cluster(tmp_path):
@@ -328,6 +346,14 @@ SCENARIOS = {
                                                                    "--recompute-num-layers", "2"]},
     "infeasible": {"via": "install", "argv": SWITCH + ["--lr", "1e-4", "--train-iters", "10"] + PIPER},
     "plan_only": {"via": "install", "argv": BASE + PIPER + ["--piper-plan-only"]},
+    "off": {"via": "install", "argv": BASE + PIPER + ["--piper-off", "use-distributed-optimizer,overlap-grad-reduce",
+                                                      "--piper-off", "recompute-granularity"]},
+    "unfused": {"via": "install", "argv": BASE + PIPER + ["--attention-backend", "unfused"]},
+    "typo": {"via": "install", "argv": BASE + PIPER + ["--piper-chunk", "2"]},
+    "typo_launcher": {"via": "launcher", "argv": BASE + PIPER + ["--piper-chunk", "2"]},
+    "save": {"via": "install", "argv": BASE + PIPER + ["--save", "{work}/saved", "--save-interval", "5"]},  # {work}:
+    # the run's directory
+    "resume": {"via": "install", "argv": BASE + PIPER + ["--load", "{work}/resume"]},  # saved with PINNED's plan
     "launcher": {"via": "launcher", "argv": BASE + PIPER + ["--expert-model-parallel-size", "4"]},  # last: keeps hooks
 }
 ENV = {"WORLD_SIZE": str(WORLD), "RANK": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
@@ -352,22 +378,35 @@ def api_run(megatron_019, tmp_path_factory):
     def get(api: str) -> dict:
         if api not in cache:
             work = tmp_path_factory.mktemp(f"api-{api}")
-            scenarios = {name: s | {"env": ENV} for name, s in SCENARIOS.items()}
+            _saved_checkpoint(work / "resume", planned(BASE + PIPER + PINNED))
+            scenarios = {name: s | {"env": ENV, "argv": [a.replace("{work}", str(work)) for a in s["argv"]]}
+                         for name, s in SCENARIOS.items()}
             (work / "scenarios.json").write_text(json.dumps(scenarios))
             cmd = [sys.executable, "-m", "tests.megatron.args_driver", api, str(work / "scenarios.json"),
                    str(work / "out.json")]
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                                   env=tree_env(megatron_019, REPO))
             assert proc.returncode == 0, proc.stderr[-4000:]
-            cache[api] = json.loads((work / "out.json").read_text())
+            cache[api] = json.loads((work / "out.json").read_text()) | {"work": str(work)}
         return cache[api]
 
     return get
 
 
-def expected_args(plan) -> dict:
-    """What Megatron's validated arguments hold under ``plan``."""
-    return {"tensor_model_parallel_size": plan.tp, "pipeline_model_parallel_size": plan.pp,
+def _saved_checkpoint(directory: Path, job) -> None:
+    """What a --piper run with --save leaves in ``directory`` once Megatron has saved a checkpoint."""
+    from piper_megatron.resume import TRACKER_NAME, make_record, write_record
+
+    write_record(directory, make_record(model=job.model, cluster=job.cluster.name, plan=job.top.plan,
+                                        label=describe(job.top.plan)))
+    (directory / TRACKER_NAME).write_text("10\n")
+
+
+def expected_args(plan, off: tuple[str, ...] = ()) -> dict:
+    """What Megatron's validated arguments hold under ``plan`` with the switches ``off`` kept off."""
+    return {"overlap_grad_reduce": "overlap-grad-reduce" not in off,
+            "overlap_param_gather": plan.distributed_optimizer and "overlap-param-gather" not in off,
+            "tensor_model_parallel_size": plan.tp, "pipeline_model_parallel_size": plan.pp,
             "virtual_pipeline_model_parallel_size": plan.vpp if plan.virtual_stages > 1 else None,
             "context_parallel_size": plan.cp, "expert_model_parallel_size": plan.ep,
             "expert_tensor_parallel_size": plan.etp_size, "sequence_parallel": plan.sequence_parallel,
@@ -408,12 +447,13 @@ def test_without_piper_nothing_of_megatron_is_touched(api_run, api):
 
 
 @pytest.mark.parametrize("api", APIS)
-@pytest.mark.parametrize("scenario", ["piper", "pinned", "pipeline", "vpp_pinned", "recompute_pinned", "launcher"])
+@pytest.mark.parametrize("scenario", ["piper", "pinned", "pipeline", "vpp_pinned", "recompute_pinned", "off", "unfused",
+                                      "launcher"])
 def test_megatron_validates_the_plan(api_run, api, scenario):
     got = api_run(api)["scenarios"][scenario]
     assert "error" not in got and got.get("exit") is None, got
     job = planned(SCENARIOS[scenario]["argv"])
-    want = expected_args(job.top.plan)
+    want = expected_args(job.top.plan, job.pins.off_all)
     assert _subset(got["args"], want) == want
     assert f"piper: pinned by the command line: {job.pins.describe()}" in got["piper_lines"]
     assert f"piper: token dispatcher: {dispatcher_description(job)}" in got["piper_lines"]
@@ -448,3 +488,41 @@ def test_plan_only_exits_inside_validation(api_run, api):
     got = api_run(api)["scenarios"]["plan_only"]
     assert got["exit"] == 0 and got["args"] is None
     assert f"best: {describe(planned(BASE + PIPER).top.plan)}" in got["stdout"].splitlines()
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_switches_kept_off_stay_off_through_megatrons_validation(api_run, api):
+    args = api_run(api)["scenarios"]["off"]["args"]
+    assert (args["use_distributed_optimizer"], args["overlap_grad_reduce"], args["overlap_param_gather"],
+            args["recompute_granularity"]) == (False, False, False, None)
+    piper = api_run(api)["scenarios"]["piper"]["args"]
+    assert (piper["use_distributed_optimizer"], piper["overlap_grad_reduce"]) == (True, True)  # on without --piper-off
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_a_misspelt_piper_flag_stops_before_megatron_parses(api_run, api):
+    scenarios = api_run(api)["scenarios"]
+    got = scenarios["typo"]
+    assert got["error"].startswith("SpecError: flag='--piper-chunk': is not one of Piper's flags")
+    assert got["args"] is None and not any(got["hooks"].values())
+    assert scenarios["typo_launcher"]["rc"] == 2 and scenarios["typo_launcher"]["args"] is None
+
+
+@pytest.mark.parametrize("api", APIS)
+def test_save_and_resume_through_megatrons_arguments(api_run, api):
+    from piper_megatron.resume import RECORD_NAME, layout_of, read_record
+
+    run = api_run(api)
+    got = run["scenarios"]["save"]
+    assert "error" not in got and got.get("exit") is None, got
+    record = read_record(Path(run["work"]) / "saved" / RECORD_NAME)
+    assert record.fields == dict(layout_of(planned(BASE + PIPER).top.plan))
+    assert {k: dict(record.megatron)[k] for k in ("tensor_model_parallel_size", "expert_model_parallel_size",
+                                                   "micro_batch_size")} == \
+        {k: got["args"][k] for k in ("tensor_model_parallel_size", "expert_model_parallel_size", "micro_batch_size")}
+    resumed = run["scenarios"]["resume"]
+    assert "error" not in resumed, resumed
+    recorded = planned(BASE + PIPER + PINNED).top.plan
+    want = expected_args(recorded)
+    assert _subset(resumed["args"], want) == want
+    assert any("resuming with the plan its checkpoint was saved with" in line for line in resumed["piper_lines"])

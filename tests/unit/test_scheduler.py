@@ -146,3 +146,47 @@ def test_pipelined_costs_only_per_chunk_latency_when_comm_is_negligible():
     bound = m * layers * (chunks - 1) * (a2a_rounds * latency + kernels)
     assert t_piped.step - t_flat.step <= bound + 1e-12
     assert t_piped.step >= t_flat.step - 1e-9 or t_flat.exposed_a2a > 0
+
+
+def test_unfused_attention_plans_never_use_context_parallelism():
+    """Megatron's DotProductAttention asserts cp == 1; the search counts those plans as rejected
+    (it once raised Infeasible from the activation model for them: `piper plan --attention unfused`)."""
+    model, cpu = load_model("tiny-moe"), load_cluster("cpu-local")
+    result = search(model, cpu, 2, 64, attention_backend="unfused")
+    assert any("context parallelism" in reason for reason in result.rejected)
+    assert result.scored and all(s.plan.cp == 1 for s in result.scored)
+
+
+def test_an_infeasible_candidate_is_rejected_with_its_reason_and_the_search_goes_on(monkeypatch):
+    """An Infeasible raised by the resource model for one candidate (a host-framework rule the
+    structural checks do not know) is counted under its reason; it never aborts the search."""
+    from piper_core.errors import Infeasible
+    from piper_core.scheduler import search as search_module
+
+    real = search_module.stage_memory
+
+    def stage_memory(model, plan, cluster, *args, **kwargs):
+        if plan.pp == 2:
+            raise Infeasible("pp=2 is refused by the host framework", rule="stand-in rule")
+        return real(model, plan, cluster, *args, **kwargs)
+
+    model = dataclasses.replace(MIXTRAL, num_layers=8)
+    plain = search(model, H100, 16, 64, space=SMALL)
+    monkeypatch.setattr(search_module, "stage_memory", stage_memory)
+    result = search(model, H100, 16, 64, space=SMALL)
+    assert any(s.plan.pp == 2 for s in plain.scored)
+    assert result.rejected["pp=2 is refused by the host framework"] > 0
+    assert result.scored and not any(s.plan.pp == 2 for s in result.scored)
+    assert {s.plan for s in result.scored} == {s.plan for s in plain.scored if s.plan.pp != 2}
+    assert result.candidates == sum(result.rejected.values()) + result.feasible
+
+
+def test_sequence_parallel_off_keeps_moe_at_tp1_and_dense_without_it():
+    model = dataclasses.replace(MIXTRAL, num_layers=8)
+    space = dataclasses.replace(SMALL, sequence_parallel=False)
+    moe = search(model, H100, 16, 64, space=space)
+    assert moe.scored and all(s.plan.tp == 1 for s in moe.scored)
+    assert moe.rejected["invalid sequence_parallel"] > 0  # Megatron-Core's MoE needs it with tp > 1
+    dense = dataclasses.replace(model, num_experts=0, moe_ffn_hidden_size=None, moe_router_topk=1)
+    plans = search(dense, H100, 16, 64, space=dataclasses.replace(space, ep=(1,), a2a=(("flat", 1),))).scored
+    assert any(s.plan.tp > 1 for s in plans) and not any(s.plan.sequence_parallel for s in plans)

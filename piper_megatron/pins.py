@@ -1,0 +1,249 @@
+"""What a Megatron command line pins for ``--piper``: the sizes and options written on it, the
+switches ``--piper-off`` keeps off, and the search space restricted to both.
+
+Sizes written on the command line are kept by the search and never overwritten. Megatron's
+switches that ``--piper`` may turn on (the distributed optimizer, overlapped gradient reduction,
+...) are ``store_true`` flags with no off form, so ``--piper-off NAME[,NAME...]`` says which the
+plan must leave off; NAME is the Megatron flag without its leading dashes. Pure Python over the
+specs (no torch, no Megatron import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from piper_core.errors import SpecError, nearest
+from piper_core.scheduler.space import A2A_CHOICES, SearchSpace
+from piper_core.specs.model import ModelSpec
+from piper_core.specs.parallel import ParallelPlan
+
+if TYPE_CHECKING:  # args imports this module
+    from piper_megatron.args import A2AFlag, PiperOptions
+
+# flag -> (dest, type (None: a switch), Megatron default): sizes and options the search chooses.
+PINNABLE: dict[str, tuple[str, Callable[[str], Any] | None, Any]] = {
+    "--tensor-model-parallel-size": ("tensor_model_parallel_size", int, 1),
+    "--pipeline-model-parallel-size": ("pipeline_model_parallel_size", int, 1),
+    "--num-layers-per-virtual-pipeline-stage": ("num_layers_per_virtual_pipeline_stage", int, None),
+    "--num-virtual-stages-per-pipeline-rank": ("num_virtual_stages_per_pipeline_rank", int, None),
+    "--decoder-first-pipeline-num-layers": ("decoder_first_pipeline_num_layers", int, None),
+    "--decoder-last-pipeline-num-layers": ("decoder_last_pipeline_num_layers", int, None),
+    "--context-parallel-size": ("context_parallel_size", int, 1),
+    "--expert-model-parallel-size": ("expert_model_parallel_size", int, 1),
+    "--expert-tensor-parallel-size": ("expert_tensor_parallel_size", int, None),
+    "--micro-batch-size": ("micro_batch_size", int, None),
+    "--recompute-granularity": ("recompute_granularity", str, None),
+    "--recompute-method": ("recompute_method", str, None),
+    "--recompute-num-layers": ("recompute_num_layers", int, None),
+    "--sequence-parallel": ("sequence_parallel", None, False),
+    "--use-distributed-optimizer": ("use_distributed_optimizer", None, False),
+    "--overlap-grad-reduce": ("overlap_grad_reduce", None, False),
+    "--overlap-param-gather": ("overlap_param_gather", None, False),
+    "--grad-reduce-in-bf16": ("grad_reduce_in_bf16", None, False),
+    "--optimizer-cpu-offload": ("optimizer_cpu_offload", None, False),
+    "--optimizer-offload-fraction": ("optimizer_offload_fraction", float, 1.0),
+    "--use-precision-aware-optimizer": ("use_precision_aware_optimizer", None, False),
+    "--moe-token-dispatcher-type": ("moe_token_dispatcher_type", str, "allgather"),
+    "--moe-shared-expert-overlap": ("moe_shared_expert_overlap", None, False),
+}
+
+# --piper-off NAME: the Megatron flags --piper may turn on (NAME is the flag without "--"; its dest
+# is NAME with underscores). recompute-granularity off means no activation recompute.
+OFF_NAMES: tuple[str, ...] = ("use-distributed-optimizer", "overlap-grad-reduce", "overlap-param-gather",
+                              "sequence-parallel", "grad-reduce-in-bf16", "optimizer-cpu-offload",
+                              "use-precision-aware-optimizer", "recompute-granularity")
+# What else must stay off with one of them, by Megatron's validate_args: --overlap-param-gather needs
+# the distributed optimizer and --overlap-grad-reduce; --optimizer-cpu-offload needs the distributed
+# optimizer and --use-precision-aware-optimizer.
+_IMPLIED: dict[str, tuple[str, ...]] = {
+    "use-distributed-optimizer": ("overlap-param-gather", "optimizer-cpu-offload"),
+    "overlap-grad-reduce": ("overlap-param-gather",),
+    "use-precision-aware-optimizer": ("optimizer-cpu-offload",),
+}
+
+
+def off_names(values: Iterable[str] | None) -> tuple[str, ...]:
+    """The names of ``--piper-off`` (each value a comma-separated list), checked, in OFF_NAMES order."""
+    names: set[str] = set()
+    for value in values or ():
+        for name in value.split(","):
+            name = name.strip()
+            if name not in OFF_NAMES:
+                near = nearest(name, OFF_NAMES)
+                raise SpecError("--piper-off", name, "names a Megatron switch --piper may turn on, without its "
+                                f"dashes: one of {', '.join(OFF_NAMES)}",
+                                f"write --piper-off {near}" if near else "write one of those names")
+            names.add(name)
+    return tuple(n for n in OFF_NAMES if n in names)
+
+
+def explicit_flags(argv: Sequence[str]) -> dict[str, Any]:
+    """dest -> value of every pinnable flag written on the command line (defaults suppressed)."""
+    parser = argparse.ArgumentParser(allow_abbrev=False, add_help=False, argument_default=argparse.SUPPRESS)
+    for flag, (dest, kind, _) in PINNABLE.items():
+        if kind is None:
+            parser.add_argument(flag, dest=dest, action="store_true")
+        else:
+            parser.add_argument(flag, dest=dest, type=kind)
+    known, _ = parser.parse_known_args(list(argv))
+    return vars(known)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pins:
+    """What the command line fixed (dest -> value, as written) and the search must keep, and the
+    switches ``--piper-off`` keeps off (``off``, as written; :attr:`off_all` adds what they imply)."""
+
+    given: tuple[tuple[str, Any], ...]
+    a2a: A2AFlag = "auto"
+    chunks: int | None = None
+    tune: bool = False
+    off: tuple[str, ...] = ()
+
+    @property
+    def values(self) -> dict[str, Any]:
+        return dict(self.given)
+
+    @property
+    def off_all(self) -> tuple[str, ...]:
+        """``off`` and the switches that must stay off with them, in OFF_NAMES order."""
+        names = set(self.off).union(*(_IMPLIED.get(n, ()) for n in self.off))
+        return tuple(n for n in OFF_NAMES if n in names)
+
+    @property
+    def off_dests(self) -> dict[str, Any]:
+        """Megatron dest -> its off value for every switch kept off."""
+        return {n.replace("-", "_"): None if n == "recompute-granularity" else False for n in self.off_all}
+
+    def describe(self) -> str:
+        """e.g. ``--tensor-model-parallel-size 4, --piper-a2a pipelined`` (or ``none``)."""
+        flags = {dest: flag for flag, (dest, _, _) in PINNABLE.items()}
+        parts = [flags[d] if v is True else f"{flags[d]} {v}" for d, v in self.given]
+        parts += [f"--piper-a2a {self.a2a}"] if self.a2a != "auto" else []
+        parts += [f"--piper-chunks {self.chunks}"] if self.chunks is not None else []
+        parts += ["--piper-chunks tune"] if self.tune else []
+        if self.off:
+            implied = [n for n in self.off_all if n not in self.off]
+            parts.append(f"--piper-off {','.join(self.off)}" + (f" (so also off: {', '.join(implied)})"
+                                                                 if implied else ""))
+        return ", ".join(parts) or "none"
+
+
+def pins_from(argv: Sequence[str], options: PiperOptions) -> Pins:
+    """The pins of a command line; rejects flags the search cannot honour (SpecError)."""
+    given = explicit_flags(argv)
+    if "decoder_first_pipeline_num_layers" in given:
+        raise SpecError("--decoder-first-pipeline-num-layers", given["decoder_first_pipeline_num_layers"],
+                        "Piper's search splits layers evenly or shortens the last stage only",
+                        "drop it (or use --decoder-last-pipeline-num-layers), or run without --piper")
+    dispatcher = given.get("moe_token_dispatcher_type", "alltoall")
+    if dispatcher != "alltoall":
+        raise SpecError("--moe-token-dispatcher-type", dispatcher, "--piper replaces Megatron's alltoall token "
+                        "dispatcher with Piper's; other dispatchers cannot be combined with it",
+                        "drop the flag, or plan with `piper plan --export-megatron` and run without --piper")
+    if given.get("moe_shared_expert_overlap"):
+        raise SpecError("--moe-shared-expert-overlap", True, "Piper's dispatcher runs its own exchanges "
+                        "(Megatron overlaps the shared expert inside the stock token_dispatch/token_combine)",
+                        "drop --moe-shared-expert-overlap")
+    etp = given.get("expert_tensor_parallel_size")
+    if etp is not None and etp != 1:
+        raise SpecError("--expert-tensor-parallel-size", etp, "Piper's token dispatcher runs with expert "
+                        "tensor parallel size 1 (experts whole on each expert-parallel rank)",
+                        "drop the flag or set it to 1, or run without --piper")
+    if options.tune and given.get("recompute_granularity") == "full":
+        raise SpecError("--piper-chunks", "tune", "full recompute runs each MoE layer's forward twice, and a layer "
+                        "still tuning would run the two with different chunk counts", "give a chunk count "
+                        "(--piper-chunks N or auto), or drop --recompute-granularity full")
+    pins = Pins(given=tuple(sorted(given.items())), a2a=options.a2a, chunks=options.chunks, tune=options.tune,
+                off=options.off)
+    _check_off(pins)
+    return pins
+
+
+def _check_off(pins: Pins) -> None:
+    """A switch kept off (or implied off) must not be written on the command line too."""
+    given = pins.values
+    for name in pins.off_all:
+        if given.get(name.replace("-", "_")) not in (None, False):
+            why = "" if name in pins.off else f" (implied by --piper-off {', '.join(pins.off)}: Megatron's " \
+                                                "validate_args allows it only with those on)"
+            raise SpecError("--piper-off", name, f"keeps --{name} off{why}, and --{name} is on the command line too",
+                            f"drop --{name} or take {name} out of --piper-off")
+
+
+def _a2a_choices(pins: Pins, space: SearchSpace) -> tuple[tuple[str, int], ...]:
+    choices = tuple(dict.fromkeys(A2A_CHOICES + space.a2a))  # the space may hold a recorded chunk count
+    if pins.a2a == "pipelined" or pins.tune:
+        chunks = (pins.chunks,) if pins.chunks else tuple(c for a, c in choices if a == "pipelined")
+        return tuple(("pipelined", c) for c in chunks)
+    if pins.a2a != "auto":
+        return ((pins.a2a, 1),)
+    if pins.chunks is None:
+        return choices
+    return (("pipelined", pins.chunks),) if pins.chunks > 1 else tuple(c for c in choices if c[1] == 1)
+
+
+def restrict(space: SearchSpace, pins: Pins) -> SearchSpace:
+    """``space`` with each pinned dimension reduced to the pinned value (which may lie outside the
+    default range), the expert tensor parallel size at 1 (Piper's dispatcher), the all-to-all
+    choices of ``--piper-a2a``/``--piper-chunks`` and the switches of ``--piper-off`` left off."""
+    v = pins.values
+    out: dict[str, Any] = {"etp_equals_tp": (False,), "a2a": _a2a_choices(pins, space)}
+    for dest, dim in (("tensor_model_parallel_size", "tp"), ("pipeline_model_parallel_size", "pp"),
+                      ("context_parallel_size", "cp"), ("expert_model_parallel_size", "ep"),
+                      ("micro_batch_size", "mbs"), ("num_virtual_stages_per_pipeline_rank", "vpp")):
+        if dest in v:
+            out[dim] = (v[dest],)
+    if pins.tune:  # a layer still tuning must not run its forward twice (recompute) with two chunk counts
+        out["recompute"] = tuple(r for r in space.recompute if r != "full")
+    if pins.a2a != "auto" or (pins.chunks or 1) > 1 or pins.tune:  # a chosen all-to-all needs expert parallelism
+        out["ep"] = tuple(e for e in out.get("ep", space.ep) if e > 1)
+        if not out["ep"]:
+            raise SpecError("--piper-a2a/--piper-chunks", f"{pins.a2a}/{'tune' if pins.tune else pins.chunks or 'auto'}",
+                            "choose the "
+                            "expert all-to-all, which needs expert parallelism (ep > 1; the model has no experts or "
+                            "ep is pinned to 1)", "drop --piper-a2a/--piper-chunks or pin ep > 1")
+    if v.get("sequence_parallel") and "tensor_model_parallel_size" not in v:
+        out["tp"] = tuple(t for t in space.tp if t > 1) or space.tp
+    if "recompute_granularity" in v:
+        out["recompute"] = (v["recompute_granularity"],)
+    if v.get("use_distributed_optimizer") or v.get("overlap_param_gather") or v.get("optimizer_cpu_offload"):
+        out["distributed_optimizer"] = (True,)  # validate_args: param gather overlap and offload need it
+    off = pins.off_all
+    if "use-distributed-optimizer" in off:
+        out["distributed_optimizer"] = (False,)
+    if "sequence-parallel" in off:
+        out["sequence_parallel"] = False
+    if "recompute-granularity" in off:
+        out["recompute"] = ("none",)
+    out["memory_savers"] = _savers(space.memory_savers, v, off)
+    return dataclasses.replace(space, **out)
+
+
+def _savers(savers: tuple[tuple[bool, float], ...], v: dict[str, Any],
+            off: tuple[str, ...]) -> tuple[tuple[bool, float], ...]:
+    """(grad_reduce_in_bf16, optimizer_offload_fraction) pairs the pins leave to try, in order."""
+    if v.get("grad_reduce_in_bf16"):
+        savers = tuple(s for s in savers if s[0])
+    if v.get("optimizer_cpu_offload"):
+        fraction = v.get("optimizer_offload_fraction", 1.0)
+        savers = tuple((bf16, fraction) for bf16, offload in savers if offload > 0) or ((True, fraction),)
+    if "grad-reduce-in-bf16" in off:  # offloading with fp32 gradients stays possible
+        savers = tuple((False, offload) for _, offload in savers)
+    if "optimizer-cpu-offload" in off:
+        savers = tuple(s for s in savers if s[1] == 0)
+    return tuple(dict.fromkeys(savers))
+
+
+def admits(plan: ParallelPlan, model: ModelSpec, pins: Pins) -> bool:
+    """Pins the search space cannot express: layers per virtual stage and the last stage's layers."""
+    v = pins.values
+    per_vstage = v.get("num_layers_per_virtual_pipeline_stage")
+    if per_vstage is not None and (plan.vpp or 1) * plan.pp * per_vstage != model.num_layers:
+        return False
+    last = v.get("decoder_last_pipeline_num_layers")
+    return last is None or plan.num_layers_in_last_pipeline_stage == last
