@@ -92,6 +92,8 @@ def _moe_flags(model: ModelSpec) -> list[Flag]:
                          ("--moe-token-dispatcher-type", "alltoall")]
     if model.moe_shared_expert_intermediate_size:
         flags.append(("--moe-shared-expert-intermediate-size", model.moe_shared_expert_intermediate_size))
+    if model.moe_router_topk == 1:  # TransformerConfig: "Please use --moe-router-pre-softmax when topk is 1"
+        flags.append(("--moe-router-pre-softmax", None))  # (Switch: softmax over all experts, then top-1)
     if model.moe_capacity_factor is not None:
         flags.append(("--moe-expert-capacity-factor", model.moe_capacity_factor))
     return flags

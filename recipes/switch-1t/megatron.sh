@@ -46,6 +46,7 @@ MODEL_ARGS=(
   --moe-router-topk 1
   --moe-layer-freq 1
   --moe-token-dispatcher-type alltoall
+  --moe-router-pre-softmax      # Megatron refuses top-1 with a post-top-k softmax (Switch: softmax, then top-1)
   --moe-expert-capacity-factor 1.25
   --global-batch-size 2048
   --bf16

@@ -29,6 +29,7 @@ PIPER_MEGATRON_ARGS=(
   --moe-router-topk 1
   --moe-layer-freq 1
   --moe-token-dispatcher-type alltoall
+  --moe-router-pre-softmax
   --moe-expert-capacity-factor 1.25
   --tensor-model-parallel-size 2
   --pipeline-model-parallel-size 1
