@@ -118,7 +118,11 @@ def probe_rank(info: Any, settings: dict[str, Any] | None = None) -> dict[str, A
 
         install_cpu_training_shims()
         train = lambda job, tmp: mg_train(job, info.ranks_per_node, tmp)  # noqa: E731
-    steps, forward, warmup = int(settings.get("steps", 8)), int(settings.get("forward_steps", 5)), 3
+    # --quick: 3 timed training steps (of 5) and 3 forward passes per probe run instead of 5 and 5
+    quick = bool(settings.get("quick", False))
+    warmup = 2 if quick else 3
+    steps = int(settings.get("steps", 5 if quick else 8))
+    forward = int(settings.get("forward_steps", 3 if quick else 5))
     out = []
     with tempfile.TemporaryDirectory(prefix="piper-probe-") as tmp:
         for layers, experts, m, mbs, spread in probes_for(framework):

@@ -31,7 +31,7 @@ on every rank and a pure ``fit_overheads(cluster, results) -> (fields, info)``. 
 name, lazily, only when installed: the core does not depend on the adapter."""
 
 Status = Literal["ok", "failed", "skipped"]
-QUICK_TIMEOUT_S, FULL_TIMEOUT_S = 60.0, 180.0
+QUICK_TIMEOUT_S, FULL_TIMEOUT_S = 120.0, 240.0
 """Default deadline of one benchmark (launch, process groups, the measurement), seconds."""
 
 

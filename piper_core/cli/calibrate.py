@@ -42,7 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--inter-node-mbit", type=float, metavar="R", help="inter-node link rate of --emulate, Mbit/s")
     p.add_argument("--base", default="cpu-local", help="preset whose unmeasured terms (memory envelope, host) "
                                                         "are kept (default cpu-local)")
-    p.add_argument("--quick", action="store_true", help="fewer shapes and sizes (well under a minute on 2 ranks)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes, sizes and probe steps (on 2 ranks about a "
+                   "minute with native bf16, 2-3 minutes on a CPU without)")
     p.add_argument("--cache", type=Path, help="benchmark cache, to resume an interrupted run "
                                               "(default: <out stem>.cache/ next to --out)")
     p.add_argument("--timeout-per-bench", type=float, metavar="S",

@@ -28,30 +28,14 @@ from typing import Any
 
 import torch
 
-MBS, SEQ, MICRO_BATCHES, STEPS, EP = 2, 32, 2, 8, 2
+from tests.megatron.piper_ranks import MBS, MICRO_BATCHES, SEQ, _batches, _forward_step  # same data and loss
+
+STEPS, EP = 8, 2
 VARIANTS = ("stock", "tune", "chunks2", "legacy-tune")
 # DDP settings --piper turns on: overlapped reduction, alone and with the distributed optimizer's
 # reduce-scatter (the gradient each rank keeps is its shard; the rest of its buffer is its local sum)
 DDP = {"overlap": {"overlap_grad_reduce": True},
        "overlap-distopt": {"overlap_grad_reduce": True, "use_distributed_optimizer": True}}
-
-
-def _batches(dp_rank: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(11 + dp_rank)
-    return [torch.randint(0, 256, (MBS, SEQ + 1), generator=g) for _ in range(MICRO_BATCHES)]
-
-
-def _forward_step(data: Any, model: Any) -> tuple[torch.Tensor, Any]:
-    batch = next(data)
-    tokens, labels = batch[:, :-1], batch[:, 1:]
-    positions = torch.arange(SEQ).unsqueeze(0).expand(MBS, SEQ)
-    output = model(tokens, positions, None, labels=labels)
-
-    def loss_func(per_token: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss = per_token.float().mean()
-        return loss, {"lm loss": loss.detach()}
-
-    return output, loss_func
 
 
 def _settings(variant: str) -> Any:
