@@ -23,7 +23,7 @@ from piper_core.emulate import RankFailure, run_emulated, run_local
 from piper_core.emulate.netns import EmulationError
 
 BENCH_TARGET = "piper_core.calibrate.bench:run"
-BENCH_VERSION = 3
+BENCH_VERSION = 4
 """Part of every cache key: bump it when :mod:`.bench` changes what a result means."""
 OVERHEAD_PROBE = "piper_megatron.probe"
 """Host-overhead probe of the Megatron adapter (optional): ``probe_rank(info, settings) -> dict``
