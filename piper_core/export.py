@@ -25,8 +25,11 @@ Flag = tuple[str, str | int | float | None]  # (flag, value); value None: a swit
 
 def plan_label(plan: ParallelPlan, *, gbs: bool = False) -> str:
     """Compact plan label used by every report, e.g.
-    ``tp2 pp4 vpp2 cp1 ep8 etp1 mbs1 sel dopt pipelined/4`` (``gbs``: with the global batch)."""
-    a2a = plan.a2a + (f"/{plan.a2a_chunks}" if plan.a2a == "pipelined" else "")
+    ``tp2 pp4 vpp2 cp1 ep8 etp1 mbs1 sel dopt hierarchical/4`` (``gbs``: with the global batch;
+    ``/N``: the exchange pipelined in N chunks; ``+shx``: shared expert overlapped; ``+epov``:
+    Megatron's EP overlap)."""
+    a2a = plan.a2a + (f"/{plan.a2a_chunks}" if plan.a2a_chunks > 1 else "")
+    a2a += ("+shx" if plan.shared_expert_overlap else "") + ("+epov" if plan.ep_comm_overlap else "")
     rc = {"none": "norc", "selective": "sel", "full": f"full{plan.recompute_num_layers}"}[plan.recompute]
     split = "".join(f" {k}{v}" for k, v in (("first", plan.num_layers_in_first_pipeline_stage),
                                             ("last", plan.num_layers_in_last_pipeline_stage)) if v)
@@ -133,6 +136,10 @@ def parallel_flags(model: ModelSpec, plan: ParallelPlan) -> list[Flag]:
         flags.append(("--overlap-grad-reduce", None))
     if plan.grad_reduce_in_bf16:
         flags.append(("--grad-reduce-in-bf16", None))
+    if plan.shared_expert_overlap:
+        flags.append(("--moe-shared-expert-overlap", None))
+    if plan.ep_comm_overlap:  # Megatron-Core's own EP overlap; delayed wgrad fills the backward's exchanges
+        flags += [("--overlap-moe-expert-parallel-comm", None), ("--delay-wgrad-compute", None)]
     if plan.optimizer_offload_fraction > 0:  # validate_args: CPU offload runs the precision-aware optimizer
         flags += [("--optimizer-cpu-offload", None), ("--optimizer-offload-fraction", plan.optimizer_offload_fraction),
                   ("--use-precision-aware-optimizer", None)]
@@ -178,15 +185,10 @@ def megatron_args(p: Prediction) -> str:
     for var, value, why in environment(plan):
         lines += [f"# {line}" for line in why] + [f"export {var}={value}"]
     lines += ["", *_bash_array("PIPER_MEGATRON_ARGS", model_flags(model) + parallel_flags(model, plan)), ""]
-    if model.is_moe and plan.etp_size > 1:
-        # Piper's token dispatcher runs etp 1 (piper_megatron refuses a pinned etp > 1)
-        lines += [f"# This plan uses expert tensor parallelism (etp={plan.etp_size}): run it with stock Megatron-LM.",
-                  "# Piper's token dispatcher runs etp 1, so `--piper` refuses these sizes pinned; to use it,",
-                  "# launch with --piper and only the model flags, and let the launcher plan (it searches etp 1)."]
-    else:
-        lines += ["# Piper's all-to-all for the MoE layers: these flags need the Piper launcher, which runs the",
-                  "# script with the sizes above pinned, e.g. torchrun ... -m piper_megatron pretrain_gpt.py",
-                  f'#   "${{PIPER_MEGATRON_ARGS[@]}}" --piper --piper-cluster {p.cluster.name} "${{PIPER_ARGS[@]}}" ...']
+    # Piper's token dispatcher runs every plan the search makes, expert tensor parallelism (etp = tp) included
+    lines += ["# Piper's all-to-all for the MoE layers: these flags need the Piper launcher, which runs the",
+              "# script with the sizes above pinned, e.g. torchrun ... -m piper_megatron pretrain_gpt.py",
+              f'#   "${{PIPER_MEGATRON_ARGS[@]}}" --piper --piper-cluster {p.cluster.name} "${{PIPER_ARGS[@]}}" ...']
     lines += _bash_array("PIPER_ARGS", piper_flags(plan))
     return "\n".join(lines) + "\n"
 

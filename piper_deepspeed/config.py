@@ -15,12 +15,12 @@ Keys (the block ``piper plan --export-deepspeed`` writes loads unchanged; ``pipe
                                     # cluster and profile when enabled)
       "model": "switch-1t",         # model preset, ModelSpec YAML path or ModelSpec mapping; optional
                                     # when the model was built by piper_deepspeed.builder
-      "a2a": "auto",                # auto | flat | hierarchical | pipelined
-      "chunks": "auto",             # pipeline chunks of the pipelined all-to-all: int >= 2 (with a2a
-                                    # auto too: pipelined in that many chunks) | 1 (with a2a auto, flat
-                                    # or hierarchical: unpipelined; an error with pipelined) | auto |
-                                    # tune (each MoE layer measures 1/2/4/8 chunks, 3 steps each, then
-                                    # keeps the fastest; the plan is searched among pipelined ones)
+      "a2a": "auto",                # exchange algorithm: auto | flat | hierarchical (the old "pipelined"
+                                    # is read as flat with chunks >= 2, with a FutureWarning and a note)
+      "chunks": "auto",             # pipeline chunks of every exchange, with either algorithm: int >= 1
+                                    # (1: unpipelined; >= 2: chunk k+1's exchange overlaps chunk k's
+                                    # experts) | auto (the scheduler picks) | tune (each MoE layer
+                                    # measures 1/2/4/8 chunks, 3 steps each, then keeps the fastest)
       "memory_headroom": 0.0,       # fraction of usable GPU memory the plan keeps free, in [0, 1);
                                     # a pinned plan over the limit is refused too
       "plan_only": false,           # true: rank 0 prints the plan, then PlanOnly (SystemExit 0)
@@ -39,19 +39,19 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError
+from pydantic import Field, PrivateAttr, ValidationError
 
 from piper_core.calibrate.profile import load_profile
 from piper_core.errors import SpecError, nearest
 from piper_core.presets import cluster_names, load_cluster, load_model, model_names
+from piper_core.scheduler.space import CHUNK_CHOICES, A2AVariant
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
+from piper_core.specs.parallel import LEGACY_PIPELINED, read_a2a
 from piper_core.specs.yamlio import from_dict
 
 BLOCK = "piper"
-A2AChoice = Literal["auto", "flat", "hierarchical", "pipelined"]
-# The pipelined variants the scheduler tries when chunks is "auto" (piper_core/scheduler/space.py).
-AUTO_CHUNKS = (2, 4, 8)
+A2AChoice = Literal["auto", "flat", "hierarchical"]
 
 _STRICT = DeepSpeedConfigModel.model_config | {"strict": True}
 
@@ -86,6 +86,9 @@ class PiperConfig(DeepSpeedConfigModel):
     model: str | dict[str, Any] | None = None
     plan: PlanPin | None = None
     predicted: dict[str, float] | None = None
+    # the old "a2a": "pipelined" (flat, chunks >= 2): the least chunk count and the note of its reading
+    _min_chunks: int = PrivateAttr(default=1)
+    _notes: tuple[str, ...] = PrivateAttr(default=())
 
     @classmethod
     def from_block(cls, block: Any) -> PiperConfig:
@@ -93,11 +96,14 @@ class PiperConfig(DeepSpeedConfigModel):
         if not isinstance(block, Mapping):
             raise SpecError(BLOCK, block, "must be a mapping (a JSON object)",
                             'write e.g. "piper": {"cluster": "dgx-h100", "model": "tiny-moe"}')
+        block, note = _read_legacy(block)
         try:
             cfg = cls(**block)
         except ValidationError as exc:
             raise _spec_error(exc, block) from None
         cfg._check_combinations()
+        if note is not None:
+            cfg._min_chunks, cfg._notes = 2, (note,)
         return cfg
 
     def _check_combinations(self) -> None:
@@ -110,39 +116,40 @@ class PiperConfig(DeepSpeedConfigModel):
             raise SpecError("piper.cluster", None, "is required (or piper.profile): the scheduler plans for the "
                             "cluster the job runs on", f"set it to a preset ({', '.join(cluster_names())}) or a "
                             "ClusterSpec YAML path, or set piper.profile to a profile from `piper calibrate`")
-        if isinstance(self.chunks, int) and self.a2a in ("flat", "hierarchical") and self.chunks != 1:
-            raise SpecError("piper.chunks", self.chunks, f'pipeline chunks apply only to a2a "pipelined" '
-                            f'(a2a is "{self.a2a}")', 'set "a2a": "pipelined" or remove "chunks"')
-        if self.chunks == "tune" and self.a2a in ("flat", "hierarchical"):
-            raise SpecError("piper.chunks", "tune", f'tuning measures the pipelined all-to-all\'s chunk count, and a2a '
-                            f'"{self.a2a}" is unpipelined', 'set "a2a": "pipelined" (or "auto") or remove "chunks"')
-        if self.a2a == "pipelined" and self.chunks == 1:  # as --piper-chunks 1 --piper-a2a pipelined (Megatron)
-            raise SpecError("piper.chunks", 1, 'a2a "pipelined" needs chunks >= 2 (it overlaps chunk k+1\'s exchange '
-                            "with chunk k's experts; one chunk is the flat all-to-all)",
-                            'set chunks to 2, 4, 8 or "auto", or "a2a": "flat"')
+
+    @property
+    def min_chunks(self) -> int:
+        """The least chunk count ``"chunks": "auto"`` may pick: 2 for the old ``"a2a": "pipelined"``."""
+        return self._min_chunks
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """How settings of an older spelling were read (for the report)."""
+        return self._notes
 
     @property
     def requested_exchange(self) -> tuple[str, Any] | None:
         """The key and value that ask for a particular expert all-to-all (None: ``a2a`` auto with
         ``chunks`` auto or 1). Such a request is honoured or refused, never dropped: the search keeps
-        only ep > 1 plans (``piper_megatron.pins.restrict`` does the same for ``--piper-a2a``)."""
-        if self.a2a != "auto":
+        only ep > 1 plans (``piper_megatron.pins.restrict`` does the same for ``--piper-a2a``). A
+        chunk count >= 2 (or tune) is named before ``"a2a": "flat"``, which alone also fits ep = 1."""
+        if self._min_chunks > 1:
+            return "piper.a2a", LEGACY_PIPELINED
+        if self.a2a == "hierarchical":
             return "piper.a2a", self.a2a
         if self.chunks == "tune" or (isinstance(self.chunks, int) and self.chunks >= 2):
             return "piper.chunks", self.chunks
-        return None
+        return ("piper.a2a", self.a2a) if self.a2a != "auto" else None
 
-    def a2a_choices(self) -> tuple[tuple[str, int], ...]:
-        """(a2a, chunks) variants the scheduler may pick from, as ``SearchSpace.a2a``. A chunk count
-        >= 2 or ``tune`` means the pipelined all-to-all, with ``a2a`` auto too (as ``--piper-chunks N``
-        does for Megatron); chunks 1 means an unpipelined one (flat or hierarchical)."""
-        if self.a2a == "pipelined" or self.chunks == "tune" or (isinstance(self.chunks, int) and self.chunks >= 2):
-            counts = AUTO_CHUNKS if self.chunks in ("auto", "tune") else (self.chunks,)  # (1, pipelined): refused
-            return tuple(("pipelined", c) for c in counts)
-        if self.a2a != "auto":
-            return ((self.a2a, 1),)
-        unpipelined = (("flat", 1), ("hierarchical", 1))
-        return unpipelined if self.chunks == 1 else unpipelined + tuple(("pipelined", c) for c in AUTO_CHUNKS)
+    def a2a_choices(self) -> tuple[A2AVariant, ...]:
+        """(algorithm, chunks, EP overlap) variants the scheduler may pick from, as ``SearchSpace.a2a``:
+        ``a2a`` and ``chunks`` chosen independently (``tune``: the plan assumes one of the counts the
+        layers will measure). Never Megatron's EP overlap, which DeepSpeed-MoE does not have
+        (:func:`piper_core.runners.deepspeed_piper`)."""
+        algorithms = ("flat", "hierarchical") if self.a2a == "auto" else (self.a2a,)
+        counts = (self.chunks,) if isinstance(self.chunks, int) else \
+            tuple(c for c in CHUNK_CHOICES if c >= self._min_chunks)
+        return tuple((a, c, False) for a in algorithms for c in counts)
 
     def cluster_spec(self) -> ClusterSpec:
         """The cluster to plan for: the profile's calibrated cluster, or the ``cluster`` preset/YAML."""
@@ -176,6 +183,21 @@ class PiperConfig(DeepSpeedConfigModel):
         return spec
 
 
+def _read_legacy(block: Mapping[str, Any]) -> tuple[Mapping[str, Any], str | None]:
+    """``block`` with the old ``"a2a": "pipelined"`` (flat exchanges in 2 chunks or more) read by
+    :func:`read_a2a` as ``"flat"`` (FutureWarning), and the note saying so; unchanged otherwise."""
+    if block.get("a2a") != LEGACY_PIPELINED:
+        return block, None
+    chunks = block.get("chunks", "auto")
+    if type(chunks) is int and chunks == 1:
+        raise SpecError("piper.chunks", 1, 'a2a "pipelined" meant flat exchanges in 2 chunks or more, so one chunk '
+                        "contradicts it", 'write "a2a": "flat", "chunks": 1 (unpipelined), or "a2a": "flat" with '
+                        'chunks 2, 4, 8 or "auto"')
+    shown = {"auto": "2 or more (auto)", "tune": "tuned"}.get(chunks, chunks) if isinstance(chunks, str) else chunks
+    a2a, _, note = read_a2a(LEGACY_PIPELINED, shown, where=f'the "{BLOCK}" block')
+    return {**block, "a2a": a2a}, note
+
+
 def read_block(config: Mapping[str, Any]) -> PiperConfig | None:
     """The validated ``"piper"`` block of a DeepSpeed config dict, or None if it has none."""
     if BLOCK not in config:
@@ -193,7 +215,7 @@ _RULES: dict[str, tuple[str, str]] = {
     "cluster": ("must be a cluster preset name or a ClusterSpec YAML path", "write a string, e.g. \"dgx-h100\""),
     "profile": ("must be the path of a profile written by piper calibrate, or null",
                 'write e.g. "profile": "me.yaml", or remove the key'),
-    "a2a": ("must be one of auto, flat, hierarchical, pipelined", 'write e.g. "a2a": "pipelined"'),
+    "a2a": ("must be one of auto, flat, hierarchical", 'write e.g. "a2a": "hierarchical" (pipeline it with "chunks")'),
     "chunks": ('must be an int >= 1, "auto" or "tune"', 'write e.g. "chunks": 4, "chunks": "auto" or "chunks": "tune"'),
     "memory_headroom": ("must be a number in [0, 1): the fraction of usable GPU memory kept free",
                         'write e.g. "memory_headroom": 0.1'),

@@ -51,11 +51,13 @@ from piper_core.resource.memory import GIB
 from piper_core.resource.predict import Prediction, predict, to_json
 from piper_core.runtime import NodeTopology
 from piper_core.runtime.autochunks import ADAPTER_TUNING
-from piper_core.scheduler.search import SearchResult, best_predictions, search
-from piper_core.scheduler.space import SearchSpace, default_space
+from piper_core.runners import deepspeed_piper
+from piper_core.scheduler.search import Scored, SearchResult, best_predictions, search
+from piper_core.scheduler.space import UNPIPELINED, SearchSpace, default_space
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
+from piper_core.timing.step import step_time
 from piper_deepspeed.builder import MODEL_SPEC_ATTR
 from piper_deepspeed.config import BLOCK, PiperConfig, read_block
 from piper_deepspeed.guard import user_config
@@ -69,7 +71,8 @@ FIX_BUILD = ("build the model for the plan: piper_deepspeed.plan_for(config, wor
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanChoice:
     """The plan Piper runs and how it was chosen. ``search`` None: pinned by ``piper.plan``.
-    ``zero_stage``: the stage written to the config (``user_zero_stage``: the one asked for)."""
+    ``zero_stage``: the stage written to the config (``user_zero_stage``: the one asked for);
+    ``notes``: how the block's settings of an older spelling were read."""
 
     prediction: Prediction
     search: SearchResult | None
@@ -79,6 +82,7 @@ class PlanChoice:
     zero_stage: int
     user_zero_stage: int
     pipeline: bool
+    notes: tuple[str, ...] = ()
 
     @property
     def plan(self) -> ParallelPlan:
@@ -150,7 +154,7 @@ def deepspeed_space(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, 
                             "to plan without an expert all-to-all")
     return SearchSpace(tp=(1,), pp=pp, vpp=(1,), cp=(1,), ep=ep, etp_equals_tp=(False,), mbs=base.mbs,
                        recompute=("none",), distributed_optimizer=(True,) if min_stage >= 1 else (True, False),
-                       a2a=block.a2a_choices() if model.is_moe else (("flat", 1),),
+                       a2a=block.a2a_choices() if model.is_moe else (UNPIPELINED,),
                        memory_savers=((False, 0.0),))
 
 
@@ -180,7 +184,8 @@ def plan_for(config: Mapping[str, Any] | str, world_size: int, *, pipeline: bool
     else:
         space = deepspeed_space(block, spec, cluster, world_size, pipeline=pipeline, min_stage=user_stage)
         result = search(spec, cluster, world_size, gbs, space=space, memory_headroom=block.memory_headroom)
-        top = tuple(p for p in best_predictions(spec, cluster, result, TOP) if deepspeed_compatible(p.plan) is None)
+        result.scored = _without_shared_overlap(spec, cluster, result.scored)
+        top = tuple(p for p in best_predictions(spec, cluster, result, TOP) if deepspeed_piper(p.plan) is None)
         if not top:
             rejected = ", ".join(f"{n} {why}" for why, n in result.rejected.most_common()) or "none"
             request = block.requested_exchange
@@ -192,7 +197,20 @@ def plan_for(config: Mapping[str, Any] | str, world_size: int, *, pipeline: bool
         best = top[0]
     stage = max(user_stage, 1 if best.plan.distributed_optimizer else 0)
     return PlanChoice(prediction=best, search=result, top=top, world_size=world_size, global_batch=gbs,
-                      zero_stage=stage, user_zero_stage=user_stage, pipeline=pipeline)
+                      zero_stage=stage, user_zero_stage=user_stage, pipeline=pipeline, notes=block.notes)
+
+
+def _without_shared_overlap(model: ModelSpec, cluster: ClusterSpec, scored: list[Scored]) -> list[Scored]:
+    """``scored`` with the shared expert run after the routed experts, as Piper's DeepSpeed model does
+    (``builder``: ``moe(h) + shared(h)``), re-timed: the search overlaps a shared expert with the
+    exchange wherever Megatron allows it (``search._structural``), which DeepSpeed-MoE cannot."""
+    out = []
+    for s in scored:
+        if s.plan.shared_expert_overlap:
+            plan = dataclasses.replace(s.plan, shared_expert_overlap=False)
+            s = dataclasses.replace(s, plan=plan, step_s=step_time(model, plan, cluster).step)
+        out.append(s)
+    return out
 
 
 def _needs_ep(request: tuple[str, Any], why: str, fix: str) -> SpecError:
@@ -227,8 +245,8 @@ def _pinned(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, world_si
     if (pin.ep == 1 or not model.is_moe) and request not in (None, ("piper.a2a", "flat")):
         raise _needs_ep(request, "piper.plan pins ep=1", 'pin ep > 1 in piper.plan, or set "a2a" to "auto" or '
                         '"flat" and remove "chunks"')
-    variants = block.a2a_choices() if model.is_moe and pin.ep > 1 else (("flat", 1),)
-    preds = [predict(model, cluster, dataclasses.replace(base, a2a=a, a2a_chunks=c)) for a, c in variants]
+    variants = block.a2a_choices() if model.is_moe and pin.ep > 1 else (UNPIPELINED,)
+    preds = [predict(model, cluster, dataclasses.replace(base, a2a=a, a2a_chunks=c)) for a, c, _ in variants]
     best = max(preds, key=lambda p: p.rate.tokens_per_s)
     limit = cluster.capacity_gib * GIB * (1.0 - block.memory_headroom)  # search()'s limit
     if best.peak_stage.total > limit:
@@ -275,7 +293,7 @@ def rewrite_config(config: Mapping[str, Any], choice: PlanChoice) -> tuple[dict[
         put(new["pipeline"], "stages", "pipeline.stages", plan.pp)
     p = choice.prediction
     new[BLOCK] = dict(new[BLOCK]) | {
-        "a2a": plan.a2a, "chunks": "tune" if new[BLOCK].get("chunks") == "tune" and plan.a2a == "pipelined" else plan.a2a_chunks,
+        "a2a": plan.a2a, "chunks": "tune" if new[BLOCK].get("chunks") == "tune" and plan.ep > 1 else plan.a2a_chunks,
         "plan": {"tp": plan.tp, "pp": plan.pp, "ep": plan.ep, "etp": plan.etp_size, "cp": plan.cp,
                  "vpp": plan.virtual_stages, "mbs": plan.micro_batch_size, "recompute": plan.recompute},
         "predicted": {"mfu": p.rate.mfu, "step_s": p.time.step, "peak_memory_gib": round(p.peak_stage.total / GIB, 4)}}
@@ -310,12 +328,14 @@ def report(choice: PlanChoice, changes: list[Change], config: Mapping[str, Any],
         chunks = f"{plan.a2a_chunks} chunks" if not tuned else (
             f"a chunk count measured per layer at run time ({ADAPTER_TUNING}, then the fastest; "
             f"planned with {plan.a2a_chunks})")
-        how = {"flat": "flat", "hierarchical": "hierarchical (intra-node stage, then inter-node)",
-               "pipelined": f"pipelined: flat exchanges in {chunks} overlapping the experts"}
+        how = {"flat": "flat", "hierarchical": "hierarchical (intra-node stage, then inter-node)"}[plan.a2a]
+        if tuned or plan.a2a_chunks > 1:
+            how = f"pipelined: {plan.a2a} exchanges in {chunks} overlapping the experts"
         lines.append(f"piper: {p.model.num_moe_layers} MoE layers with ep_size {plan.ep} run Piper's all-to-all, "
-                     f"{how[plan.a2a]}")
+                     f"{how}")
     else:
         lines.append("piper: ep=1: no expert-parallel all-to-all; MoE layers stay DeepSpeed's")
+    lines += [f"piper: note: {note}" for note in choice.notes]
     if not any((config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")):
         lines.append("piper: note: this config trains in fp32; the prediction assumes bf16 weights and activations")
     return "\n".join(lines)
@@ -391,9 +411,9 @@ def initialize(args: Any = None, model: torch.nn.Module = None, optimizer: Any =
     result = deepspeed.initialize(**passthrough)
     result[0].config[BLOCK] = rewritten[BLOCK]
     if plan.ep > 1:
-        # Only the hierarchical exchange uses the node layout; the runtime's groups need every
-        # expert-parallel group to hold as many ranks on each node as on the others, which flat and
-        # pipelined exchanges do not, so those get the whole job as one "node".
+        # Only the hierarchical exchange (in one chunk or pipelined) uses the node layout; the runtime's
+        # groups need every expert-parallel group to hold as many ranks on each node as on the others,
+        # which flat exchanges do not, so those get the whole job as one "node".
         comm_topology = topology if plan.a2a == "hierarchical" else NodeTopology(nodes=(tuple(range(world)),))
         attach_comm(result[0].module, comm_topology)
     return result

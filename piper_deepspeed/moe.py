@@ -52,19 +52,22 @@ from piper_core.errors import SpecError
 from piper_core.runtime import A2AComm, Algorithm, AutoChunks, NodeTopology, ScheduleEvent, create_comm, exchange_counts
 from piper_core.runtime import moe_alltoall, plan_dispatch
 from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS, ADAPTER_TUNING
+from piper_core.specs.parallel import read_a2a
 
 # Deadline of each wait of Piper's all-to-all (piper_core.runtime.timeouts). A training step can
 # legitimately stall a peer for a while (checkpointing, a first-step compile), so the runtime's
 # 60 s test default is too tight here.
 A2A_TIMEOUT = timedelta(minutes=10)
+PLAN_ALGORITHMS: tuple[str, ...] = ("flat", "hierarchical")  # ParallelPlan.a2a (aggregated: the runtime's only)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class A2ASettings:
     """How a layer exchanges tokens: ``algorithm`` for each exchange, ``chunks`` pipeline chunks
-    (1: the unpipelined path). The plan's ``pipelined`` all-to-all is FLAT in ``chunks >= 2``.
-    ``tune``: each layer measures its chunk count at run time (an :class:`AutoChunks` over
-    :data:`ADAPTER_CANDIDATES`, made by :func:`attach_comm`); ``chunks`` is what the plan assumed."""
+    (1: the unpipelined path), with either algorithm (a hierarchical exchange in chunks runs its
+    stages per chunk, advanced between the experts' chunks by :func:`moe_alltoall`). ``tune``: each
+    layer measures its chunk count at run time (an :class:`AutoChunks` over :data:`ADAPTER_CANDIDATES`,
+    made by :func:`attach_comm`); ``chunks`` is what the plan assumed."""
 
     algorithm: Algorithm
     chunks: int
@@ -76,17 +79,14 @@ class A2ASettings:
 
     @classmethod
     def from_plan(cls, a2a: str, chunks: int, *, tune: bool = False) -> A2ASettings:
-        """``ParallelPlan.a2a``/``a2a_chunks`` -> settings (timing/layer.py times "pipelined" as flat
-        exchanges in chunks, so that is what runs)."""
-        if tune and a2a != "pipelined":
-            raise SpecError("piper.chunks", "tune", f"tuning measures pipelined chunk counts; the plan's all-to-all "
-                            f"is {a2a}", 'plan with "a2a": "pipelined", or give a chunk count')
-        if a2a == "pipelined" and chunks < 2:  # else it would silently run the flat exchange
-            raise SpecError("a2a_chunks", chunks, 'the "pipelined" all-to-all needs 2 chunks or more (it overlaps '
-                            "chunk k+1's exchange with chunk k's experts; one chunk is the flat all-to-all)",
-                            'plan with "chunks" 2, 4, 8 or "auto", or with "a2a": "flat"')
-        algorithm = Algorithm.HIERARCHICAL if a2a == "hierarchical" else Algorithm.FLAT
-        return cls(algorithm=algorithm, chunks=chunks if a2a == "pipelined" else 1, tune=tune)
+        """``ParallelPlan.a2a`` (flat|hierarchical) and ``a2a_chunks`` -> settings, as timing/layer.py
+        times them. The old ``"pipelined"`` is read by :func:`read_a2a` (flat in ``chunks``, with a
+        FutureWarning)."""
+        a2a, _, _ = read_a2a(a2a, chunks, where="A2ASettings.from_plan")
+        if a2a not in PLAN_ALGORITHMS:
+            raise SpecError("a2a", a2a, f"a plan's exchange algorithm is one of {', '.join(PLAN_ALGORITHMS)}",
+                            'use "flat" or "hierarchical", and "chunks" for pipelining')
+        return cls(algorithm=Algorithm(a2a), chunks=chunks, tune=tune)
 
     def label(self) -> str:
         if self.tune:

@@ -72,6 +72,9 @@ class Run:
     plan: ParallelPlan | None = None
     engine_config: dict[str, Any] | None = None
     moe_classes: list[str] = field(default_factory=list)  # the engine's MoE layers, by class name
+    # Piper's MoE layers (engine order): how each exchanges (A2ASettings.label()) and over how many
+    # nodes of its expert-parallel group (2 or more: a hierarchical exchange crosses nodes)
+    exchanges: list[tuple[str, int]] = field(default_factory=list)
     # "chunks": "tune": per MoE layer (engine order), the chunk count it chose (None: still measuring)
     # and the slowest rank's median layer time per candidate (s)
     tuned: list[tuple[int | None, dict[int, float] | None]] = field(default_factory=list)
@@ -166,7 +169,9 @@ def train(args: TrainArgs) -> Run:
     dp = engine.grid.get_data_parallel_world_size() if args.pipeline else world
     text = args.data.read_bytes() if args.data is not None else None
     data = Batches(spec, mbs, seed=args.seed, dp_rank=dp_rank, text=text)
-    run = Run(plan=plan, engine_config=dict(engine.config), moe_classes=[type(m).__name__ for m in engine.moe_layers])
+    run = Run(plan=plan, engine_config=dict(engine.config), moe_classes=[type(m).__name__ for m in engine.moe_layers],
+              exchanges=[(m.piper_a2a.label(), m.piper_comm.layout.num_nodes) for m in engine.moe_layers
+                         if getattr(m, "piper_comm", None) is not None and m.piper_a2a is not None])
     tokens_per_step = mbs * gas * dp * spec.seq_length
     for step in range(args.steps):
         start = time.perf_counter()

@@ -26,11 +26,13 @@ from typing import Any, Literal
 from piper_core.errors import SpecError, nearest
 from piper_core.export import parallel_flags
 from piper_core.specs.model import MLASpec, ModelSpec
-from piper_core.specs.parallel import ParallelPlan
+from piper_core.specs.parallel import LEGACY_PIPELINED, ParallelPlan, read_a2a
 from piper_megatron.pins import OFF_NAMES, PINNABLE, Pins, off_names
 
-A2AFlag = Literal["auto", "flat", "hierarchical", "pipelined"]
-A2A_FLAGS: tuple[str, ...] = ("auto", "flat", "hierarchical", "pipelined")
+A2AFlag = Literal["auto", "flat", "hierarchical"]
+# --piper-a2a's values; "pipelined" is the spelling from before the algorithm and the chunk count were
+# independent, read by piper_core.specs.parallel.read_a2a as flat exchanges in 2 chunks or more.
+A2A_FLAGS: tuple[str, ...] = ("auto", "flat", "hierarchical", LEGACY_PIPELINED)
 GPT2_BPE_VOCAB = 50257  # len(encoder) of GPT-2's vocab.json (Megatron _GPT2BPETokenizer.vocab_size)
 
 
@@ -38,11 +40,14 @@ GPT2_BPE_VOCAB = 50257  # len(encoder) of GPT-2's vocab.json (Megatron _GPT2BPET
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PiperOptions:
-    """Piper's flags, checked. ``chunks`` None means auto (the scheduler picks); ``tune``
-    (``--piper-chunks tune``): the scheduler plans a pipelined all-to-all and each MoE layer measures
-    its chunk count at run time; ``world_size`` (``--piper-world-size``) stands in for the launcher's
-    WORLD_SIZE in plan-only runs; ``off`` (``--piper-off``): Megatron switches the plan must leave off
-    (:data:`piper_megatron.pins.OFF_NAMES`)."""
+    """Piper's flags, checked. ``a2a`` (``--piper-a2a``): the exchange algorithm, auto (the
+    scheduler picks), flat or hierarchical; ``chunks`` (``--piper-chunks``), independent of it: the
+    pipeline chunks of every exchange (1: unpipelined), None means auto (the scheduler picks among
+    counts >= ``min_chunks``); ``tune`` (``--piper-chunks tune``): each MoE layer measures its chunk
+    count at run time, with either algorithm; ``min_chunks`` 2 only for the old ``--piper-a2a
+    pipelined`` (flat, pipelined), whose reading ``notes`` holds; ``world_size``
+    (``--piper-world-size``) stands in for the launcher's WORLD_SIZE in plan-only runs; ``off``
+    (``--piper-off``): Megatron switches the plan must leave off (:data:`piper_megatron.pins.OFF_NAMES`)."""
 
     enabled: bool
     cluster: str | None = None
@@ -50,6 +55,8 @@ class PiperOptions:
     a2a: A2AFlag = "auto"
     chunks: int | None = None
     tune: bool = False
+    min_chunks: int = 1
+    notes: tuple[str, ...] = ()
     plan_only: bool = False
     trace: Path | None = None
     world_size: int | None = None
@@ -87,10 +94,12 @@ def add_piper_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--piper-cluster", metavar="NAME|YAML", help="cluster preset name or ClusterSpec YAML")
     group.add_argument("--piper-profile", metavar="YAML", type=Path,
                        help="calibrated profile written by `piper calibrate` (instead of --piper-cluster)")
-    group.add_argument("--piper-a2a", choices=A2A_FLAGS, default="auto",
-                       help="MoE all-to-all: auto (the scheduler picks), flat, hierarchical or pipelined")
+    group.add_argument("--piper-a2a", choices=A2A_FLAGS, default="auto", metavar="auto|flat|hierarchical",
+                       help="MoE all-to-all algorithm: auto (the scheduler picks), flat or hierarchical (intra-node, "
+                            "then inter-node); the old 'pipelined' is read as flat with --piper-chunks >= 2")
     group.add_argument("--piper-chunks", type=_chunks, default=None, metavar="N|auto|tune",
-                       help="chunks of the pipelined all-to-all: N, auto (the scheduler picks; default) or tune "
+                       help="pipeline chunks of the all-to-all, with either algorithm (chunk k+1's exchange overlaps "
+                            "chunk k's experts): N (1: unpipelined), auto (the scheduler picks; default) or tune "
                             "(each MoE layer measures 1/2/4/8 chunks for 3 steps each, then keeps the fastest)")
     group.add_argument("--piper-plan-only", action="store_true", help="print the plan and exit")
     group.add_argument("--piper-trace", type=Path, metavar="FILE",
@@ -124,29 +133,21 @@ def piper_options(ns: argparse.Namespace) -> PiperOptions:
     given_chunks = getattr(ns, "piper_chunks", None)
     tune = given_chunks == "tune"
     chunks = None if tune else given_chunks
+    given_a2a = getattr(ns, "piper_a2a", "auto")
+    a2a, min_chunks, notes = _read_a2a_flag(given_a2a, given_chunks)
     options = PiperOptions(enabled=bool(getattr(ns, "piper", False)), cluster=getattr(ns, "piper_cluster", None),
-                           profile=getattr(ns, "piper_profile", None), a2a=getattr(ns, "piper_a2a", "auto"),
-                           chunks=chunks, tune=tune, plan_only=bool(getattr(ns, "piper_plan_only", False)),
+                           profile=getattr(ns, "piper_profile", None), a2a=a2a, chunks=chunks, tune=tune,
+                           min_chunks=min_chunks, notes=notes, plan_only=bool(getattr(ns, "piper_plan_only", False)),
                            trace=getattr(ns, "piper_trace", None), world_size=getattr(ns, "piper_world_size", None),
                            off=off_names(getattr(ns, "piper_off", None)))
     given = [flag for flag, on in (("--piper-cluster", options.cluster), ("--piper-profile", options.profile),
-                                   ("--piper-a2a", options.a2a != "auto"), ("--piper-chunks", given_chunks),
+                                   ("--piper-a2a", given_a2a != "auto"), ("--piper-chunks", given_chunks),
                                    ("--piper-plan-only", options.plan_only), ("--piper-trace", options.trace),
                                    ("--piper-world-size", options.world_size),
                                    ("--piper-off", getattr(ns, "piper_off", None))) if on]
     if given and not options.enabled:
         raise SpecError(given[0], "given", "Piper's flags act only together with --piper (without it nothing of "
                         "Megatron is changed)", "add --piper, or drop " + ", ".join(given))
-    if chunks == 1 and options.a2a == "pipelined":
-        raise SpecError("--piper-chunks", 1, "the pipelined all-to-all overlaps chunk k+1's exchange with chunk k's "
-                        "experts, so it needs 2 chunks or more", "use --piper-chunks 2 (or auto), or --piper-a2a flat")
-    if chunks is not None and chunks > 1 and options.a2a in ("flat", "hierarchical"):
-        raise SpecError("--piper-chunks", chunks, f"chunks apply to the pipelined all-to-all, not --piper-a2a "
-                        f"{options.a2a}", "use --piper-a2a pipelined (or auto), or --piper-chunks 1")
-    if tune and options.a2a in ("flat", "hierarchical"):
-        raise SpecError("--piper-chunks", "tune", f"tuning measures the pipelined all-to-all's chunk count, and "
-                        f"--piper-a2a {options.a2a} is unpipelined", "use --piper-a2a pipelined (or auto) with "
-                        "--piper-chunks tune, or drop --piper-chunks")
     if options.world_size is not None and not options.plan_only:
         raise SpecError("--piper-world-size", options.world_size, "stands in for the launcher only when "
                         "planning (--piper-plan-only); a real run takes its world size from the launcher",
@@ -155,6 +156,19 @@ def piper_options(ns: argparse.Namespace) -> PiperOptions:
         raise SpecError("--piper-profile", str(options.profile), "must be a YAML file (.yaml or .yml)",
                         "pass the profile `piper calibrate --out` wrote")
     return options
+
+
+def _read_a2a_flag(given: str, chunks: int | str | None) -> tuple[A2AFlag, int, tuple[str, ...]]:
+    """(algorithm, least chunk count, notes) of ``--piper-a2a``: the old ``pipelined`` (flat exchanges
+    in 2 chunks or more) is read by :func:`read_a2a` as flat with chunks auto among >= 2, or the
+    chunks given, with its FutureWarning and the note the report prints."""
+    if given == LEGACY_PIPELINED and chunks == 1:
+        raise SpecError("--piper-chunks", 1, "--piper-a2a pipelined meant flat exchanges in 2 chunks or more, so "
+                        "one chunk contradicts it", "write --piper-a2a flat --piper-chunks 1 (unpipelined), or "
+                        "--piper-a2a flat --piper-chunks N with N >= 2")
+    shown = {None: "2 or more (auto)", "tune": "tuned"}.get(chunks, chunks)  # type: ignore[arg-type]
+    a2a, _, note = read_a2a(given, shown, where="--piper-a2a")
+    return (a2a, 1, ()) if note is None else (a2a, 2, (note,))
 
 
 def parse_piper_options(argv: Sequence[str]) -> PiperOptions:

@@ -9,9 +9,15 @@ model is built), and returns a :class:`Patches` handle that undoes it.
 
 What the subclass changes (phases of ``MoEAlltoAllTokenDispatcher``, 0.16-0.19):
 
-* ``preprocess``: one all-gather of every EP member's tokens per expert (``exchange_counts``; the
-  stock dispatcher all-gathers the same counts over the tp x ep group) gives the ``[W, E]`` count
-  matrix; Megatron's split and sort metadata follow from it, and ``plan_dispatch`` plans the step.
+* ``preprocess``: one all-gather of every member's tokens per expert gives the count matrix:
+  ``[W, E]`` over the EP group (``exchange_counts``) with expert tensor parallel size (etp) 1, and
+  ``[etp, W, E]`` over the expert tp x ep group otherwise, as the stock ``preprocess`` gathers it
+  (each etp rank routes its own tokens and exchanges them over its own EP group). Megatron's split
+  and sort metadata follow from it, and ``plan_dispatch`` plans this rank's EP exchange from its row.
+* etp > 1: after Piper's EP exchange, the tokens are all-gathered over the expert-TP group and the
+  expert outputs reduce-scattered back, with Megatron's own mappings and splits, as the stock
+  ``dispatch_postprocess``/``combine_preprocess`` do (unpipelined: those very methods run; pipelined:
+  :meth:`PiperTokenDispatcher._etp_experts` does it per chunk inside the experts of each chunk).
 * ``token_dispatch`` / ``token_combine`` (unpipelined: one chunk): the planned exchanges, autograd-
   aware; Megatron's own ``dispatch_postprocess``/``combine_preprocess`` still sort by local expert,
   so the phases stay separate and Megatron's schedules that call them one by one keep working.
@@ -28,9 +34,20 @@ What the subclass changes (phases of ``MoEAlltoAllTokenDispatcher``, 0.16-0.19):
   alone), with one :class:`PhaseDrivenWarning` per dispatcher. So the step is planned when its
   first exchange runs, not in ``preprocess``: by then the path is known.
 
-Supported: expert tensor parallel size 1 (experts whole on each EP rank), no shared-expert overlap
-(0.19 runs it inside the stock ``token_dispatch``); pipelined also needs Megatron's own a2a-overlap
-and delayed-wgrad features off. Each is checked when a layer is built (SpecError).
+Shared experts: without ``moe_shared_expert_overlap`` ``MoELayer`` runs them itself, untouched. With
+it, Megatron hands the shared expert to the dispatcher (``set_shared_experts``), whose stock phases
+run its pieces beside the stock all-to-alls. Piper's dispatcher keeps it to itself and runs the
+same pieces around its own exchanges: the sequence-parallel gather in ``dispatch_preprocess``;
+unpipelined, fc1 while the dispatch exchange is in flight (posted with ``start_exchange``, waited
+after) and fc2 while the combine exchange is. Only the forward overlaps: each exchange's backward is
+one autograd node the engine runs when its gradient is ready, apart from the shared expert's own
+nodes. Pipelined, fc1 runs before the fused call and fc2 after it, beside no exchange:
+``moe_alltoall`` posts its exchanges inside an autograd Function's forward, where the shared
+expert's graph would not be recorded (grad mode is off there); the chunks there already overlap the
+exchanges with the routed experts.
+
+Pipelined needs Megatron's own a2a-overlap and delayed-wgrad features off (checked when a layer is
+built: SpecError).
 State between phases (the frozen ``DispatchMeta``) lives on the dispatcher, as Megatron's own
 split sizes do: Megatron calls the phases as methods with no other place to keep it.
 """
@@ -46,7 +63,12 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from megatron.core.transformer.moe import moe_layer
+from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from piper_core.errors import SpecError
@@ -55,15 +77,19 @@ from piper_core.runtime import (
     Algorithm,
     AutoChunks,
     DispatchMeta,
+    ExchangePlan,
     NodeTopology,
+    PendingExchange,
     ScheduleEvent,
     create_comm,
     exchange,
     exchange_counts,
     moe_alltoall,
     plan_dispatch,
+    start_exchange,
 )
-from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS
+from piper_core.runtime import timeouts
+from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS, choose
 from piper_megatron.trace import LayerRecord, Tracer
 
 
@@ -75,6 +101,8 @@ class DispatchSettings:
     :data:`ADAPTER_CANDIDATES`, :data:`ADAPTER_TRIALS` steps each); ``chunks`` is then only the
     count the plan assumed. Every layer runs the fused path, one chunk included."""
 
+    # ParallelPlan.a2a values (the aggregated exchange is the runtime's, no plan's)
+    PLAN_ALGORITHMS: ClassVar[tuple[str, ...]] = ("flat", "hierarchical")
     algorithm: Algorithm = Algorithm.FLAT
     chunks: int = 1
     tune: bool = False
@@ -85,14 +113,18 @@ class DispatchSettings:
 
     @classmethod
     def from_plan(cls, a2a: str, chunks: int, *, tune: bool = False) -> DispatchSettings:
-        """A ParallelPlan's ``a2a``/``a2a_chunks``: pipelined chunks run flat exchanges, as the
-        step-time model prices them (piper_core/timing/layer.py ``_a2a_one_way``)."""
-        if a2a == "pipelined":
-            return cls(algorithm=Algorithm.FLAT, chunks=chunks, tune=tune)
-        if tune:
-            raise SpecError("chunks", "tune", f"tuning measures pipelined chunk counts; the plan's all-to-all is "
-                            f"{a2a}", "plan with the pipelined all-to-all, or give a chunk count")
-        return cls(algorithm=Algorithm(a2a), chunks=1)
+        """A ParallelPlan's ``a2a`` (flat|hierarchical: the exchange of every chunk) and
+        ``a2a_chunks`` (> 1: pipelined), as the step-time model prices them (piper_core/timing/
+        layer.py); ``tune`` measures the chunk count of either algorithm at run time. A setting
+        written before the two were independent (``"pipelined"``) is read by
+        :func:`piper_core.specs.parallel.read_a2a`: flat exchanges in ``chunks``, with a FutureWarning."""
+        from piper_core.specs.parallel import read_a2a
+
+        a2a, _, _ = read_a2a(a2a, chunks, where="DispatchSettings.from_plan")
+        if a2a not in cls.PLAN_ALGORITHMS:
+            raise SpecError("a2a", a2a, f"a plan's exchange algorithm is one of {', '.join(cls.PLAN_ALGORITHMS)}",
+                            "use flat or hierarchical, and the chunk count for pipelining")
+        return cls(algorithm=Algorithm(a2a), chunks=chunks, tune=tune)
 
     @property
     def pipelined(self) -> bool:
@@ -154,13 +186,15 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
                             "build layers after piper_megatron.dispatcher.install_dispatcher(comm, settings)")
         self._check(binding, config)
         self._meta: DispatchMeta | None = None
-        self._counts: torch.Tensor | None = None  # this step's [W, E] counts, kept until it is planned
+        self._counts: torch.Tensor | None = None  # this step's [etp, W, E] counts, kept until it is planned
+        self._shared: Any = None  # the shared expert when Megatron overlaps it (set_shared_experts)
         self._device = torch.device("cpu")  # where this step's index tensors go
         self._fused = False  # MoELayer.dispatch opened a fused call for this step
         self._warned = False  # the phase-driven fallback has been reported (once per dispatcher)
         self.layer_number: int | None = None  # the MoE layer's, once Megatron sets it
         self._record: LayerRecord | None = None
-        self.auto_chunks = AutoChunks(binding.comm, candidates=ADAPTER_CANDIDATES, trials=ADAPTER_TRIALS) \
+        self.auto_chunks = _ExpertGroupAutoChunks(binding.comm, self.tp_group, candidates=ADAPTER_CANDIDATES,
+                                                  trials=ADAPTER_TRIALS) \
             if binding.settings.tune else None  # this layer's own tuner, kept across steps
 
     def _check(self, binding: _Binding, config: Any) -> None:
@@ -169,13 +203,6 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
             raise SpecError("expert-parallel group", ranks, f"differs from the Piper comm's group "
                             f"{binding.comm.layout.ranks}", "create the comm after initialize_model_parallel, "
                             "from the same expert-parallel groups (create_ep_comm)")
-        if self.tp_size != 1:
-            raise SpecError("expert_tensor_parallel_size", self.tp_size, "Piper's dispatcher keeps each expert "
-                            "whole on its expert-parallel rank", "set --expert-tensor-parallel-size 1")
-        if config.moe_shared_expert_overlap:
-            raise SpecError("moe_shared_expert_overlap", True, "Megatron overlaps the shared expert inside the "
-                            "stock token_dispatch/token_combine, which Piper's dispatcher replaces",
-                            "turn moe_shared_expert_overlap off")
         if binding.settings.pipelined:
             for key in ("overlap_moe_expert_parallel_comm", "delay_wgrad_compute",
                         "overlap_dispatch_backward_with_experts_wgrad"):
@@ -191,26 +218,43 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
         comm = self.binding.comm
         if self.drop_and_pad:  # every (source, expert) run is padded to capacity: no exchange needed
             tokens_per_expert = super().preprocess(routing_map)
-            counts = torch.full((comm.size, self.num_experts), self.capacity, dtype=torch.long)
+            counts = torch.full((self.tp_size, comm.size, self.num_experts), self.capacity, dtype=torch.long)
         else:
-            counts = exchange_counts(routing_map.sum(dim=0).long(), comm=comm)
+            counts = self._gather_counts(routing_map.sum(dim=0).long())
             tokens_per_expert = self._megatron_metadata(counts, routing_map)
         self._meta, self._counts, self._device, self._fused = None, counts, routing_map.device, False
         return tokens_per_expert
 
+    def _gather_counts(self, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """Every member's tokens per expert, int64 ``[etp, W, E]`` on the host: ``[t, s, g]`` = tokens
+        that expert-TP rank ``t`` of EP rank ``s`` sends expert ``g``. etp 1: one all-gather over the EP
+        group; else one over the expert tp x ep group, whose ranks run EP-major (the layout the stock
+        ``preprocess`` reads its gather with)."""
+        comm = self.binding.comm
+        if self.tp_size == 1:
+            return exchange_counts(tokens_per_expert, comm=comm).unsqueeze(0)
+        local = tokens_per_expert.reshape(-1).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.tp_size * self.ep_size)]
+        what = timeouts.OpName(op="counts all-gather (tokens per expert, expert tp x ep group)", stage="stage 1/1",
+                               ranks=tuple(dist.get_process_group_ranks(self.tp_ep_group)), rank=dist.get_rank())
+        work = timeouts.launch(what, lambda: dist.all_gather(parts, local, group=self.tp_ep_group, async_op=True))
+        timeouts.wait(work, what, comm.timeout if comm.host_timeout else None)
+        return torch.stack(parts).cpu().reshape(self.ep_size, self.tp_size, -1).transpose(0, 1).contiguous()
+
     def _megatron_metadata(self, counts: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
-        """What the stock ``preprocess`` derives from its gathered counts (expert tp size 1), from
-        ``counts`` [W, E] on the host: splits, tokens per local expert, the output size."""
-        me, per = self.binding.comm.me, self.num_local_experts
-        mine = counts[:, me * per:(me + 1) * per]  # [W, local experts]: tokens each member sends here
+        """What the stock ``preprocess`` derives from its gathered counts, from ``counts``
+        ``[etp, W, E]`` on the host: splits, tokens per local expert, the output size."""
+        me, per, t = self.binding.comm.me, self.num_local_experts, self.tp_rank
+        mine = counts[:, :, me * per:(me + 1) * per]  # [etp, W, local experts]: tokens each member sends here
+        from_rank = mine.sum(dim=2)  # [etp, W]
         dynamic = self.config.moe_expert_capacity_factor is not None or self.config.moe_router_padding_for_quantization
-        self.num_out_tokens = int(counts[me].sum()) if dynamic else routing_map.size(0) * self.config.moe_router_topk
-        self.input_splits = counts[me].reshape(-1, per).sum(dim=1).numpy()
-        self.output_splits = mine.sum(dim=1).numpy()
-        self.output_splits_tp = mine.sum().reshape(1).numpy()
+        self.num_out_tokens = int(counts[t, me].sum()) if dynamic else routing_map.size(0) * self.config.moe_router_topk
+        self.input_splits = counts[t, me].reshape(-1, per).sum(dim=1).numpy()
+        self.output_splits = from_rank[t].numpy()
+        self.output_splits_tp = from_rank.sum(dim=1).numpy()
         if per > 1:
-            self.num_global_tokens_per_local_expert = mine.to(self.permute_idx_device)
-        return mine.sum(dim=0)
+            self.num_global_tokens_per_local_expert = mine.reshape(-1, per).to(self.permute_idx_device)
+        return mine.sum(dim=(0, 1))
 
     # ---- exchanges -----------------------------------------------------------------------------
     def open_fused_call(self) -> None:
@@ -234,17 +278,26 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
                                         meta=meta, first_expert=self.local_expert_indices[0])
             self._record.layer = self.layer_number  # phase-driven steps never reach routed_experts_compute
             self._record.mark("dispatch")
-        if fused:
-            return hidden_states, probs  # exchanged chunk by chunk in routed_experts_compute
-        chunk = meta.chunk[0]
-        return exchange(hidden_states, chunk.dispatch), exchange(probs, chunk.dispatch)
+        fc1 = None if self._shared is None else self._shared.linear_fc1_forward_and_act
+        if fused:  # exchanged chunk by chunk in routed_experts_compute; the shared expert beside none
+            if fc1 is not None:
+                fc1()
+            return hidden_states, probs
+        tokens, weights = _exchange_beside((hidden_states, probs), meta.chunk[0].dispatch, fc1)
+        return tokens, weights
 
     def token_combine(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         record = self._record
         if record is not None:
             record.mark("combine")
         fused = self.binding.settings.pipelined and self._fused
-        out = hidden_states if fused else exchange(hidden_states, self._current_meta().chunk[0].combine)
+        fc2 = None if self._shared is None else self._shared_fc2
+        if fused:
+            out = hidden_states
+            if fc2 is not None:
+                fc2()
+        else:
+            (out,) = _exchange_beside((hidden_states,), self._current_meta().chunk[0].combine, fc2)
         self._fused = False
         if record is not None:
             record.finish()
@@ -257,6 +310,29 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
                                "not Piper's; keep install_dispatcher's patches in place while the model runs")
         return super().dispatch_postprocess(hidden_states, probs)
 
+    # ---- shared expert (moe_shared_expert_overlap) ----------------------------------------------
+    def set_shared_experts(self, shared_experts: Any) -> None:
+        """Keep the shared expert from the stock phases (they would run it beside the stock
+        all-to-alls); Piper's phases run the same pieces beside its own exchanges (module doc)."""
+        super().set_shared_experts(shared_experts)
+        self._shared, self.shared_experts = shared_experts, None
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        out = super().dispatch_preprocess(hidden_states, routing_map, probs)
+        if self._shared is not None:  # its sequence-parallel gather, as the stock phase runs it
+            self._shared.pre_forward_comm(hidden_states)
+        return out
+
+    def _shared_fc2(self) -> None:
+        self._shared.linear_fc2_forward()
+        self._shared.post_forward_comm()
+
+    def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        output = super().combine_postprocess(hidden_states)
+        if self._shared is not None:  # added after the unpermute, as the stock phase adds it
+            output = output + self._shared.get_output()
+        return output
+
     def _current_meta(self) -> DispatchMeta:
         """This step's plan, made on first use: ``chunks`` (or the tuner's count) for a fused call,
         one chunk when the phases are driven one by one (no tuner call spent on it)."""
@@ -268,7 +344,7 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
             chunks: int | AutoChunks = 1
             if self._fused:
                 chunks = settings.chunks if self.auto_chunks is None else self.auto_chunks
-            self._meta = plan_dispatch(self._counts, comm=self.binding.comm, algorithm=settings.algorithm,
+            self._meta = plan_dispatch(self._counts[self.tp_rank], comm=self.binding.comm, algorithm=settings.algorithm,
                                        chunks=chunks, device=self._device)
         return self._meta
 
@@ -306,12 +382,103 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
                                 "build experts without a separate output bias (add_bias_linear false)")
             return out
 
+        meta = self._current_meta()
+        chunk_numbers = iter(range(meta.chunks))  # moe_alltoall runs the experts once per chunk, in order
+
+        def sharded(tokens: torch.Tensor, tokens_per_expert: tuple[int, ...], chunk_probs: torch.Tensor | None):
+            return self._etp_experts(experts, tokens, chunk_probs, self._etp_sizes(meta, next(chunk_numbers)))
+
         on_event = None if record is None else _marker(record)
         # the experts' parameters go through moe_alltoall's own autograd node: one gradient accumulation
         # each per backward, so DDP's per-parameter grad-ready hooks fire once whatever the chunk count
         params = [p for p in layer.experts.parameters() if p.requires_grad]
-        return moe_alltoall(hidden_states, self._current_meta(), experts, probs=probs, params=params,
-                            on_event=on_event), None
+        return moe_alltoall(hidden_states, meta, experts if self.tp_size == 1 else sharded, probs=probs,
+                            params=params, on_event=on_event), None
+
+    def _etp_sizes(self, meta: DispatchMeta, k: int) -> torch.Tensor:
+        """``[etp, local experts]``: tokens each expert-TP rank's chunk ``k`` brings each local
+        expert, cut from the counts as ``plan_dispatch`` cuts them (piece ``k`` of every (source,
+        expert) run: piper_core.runtime.dispatch)."""
+        counts, n = self._counts, meta.chunks
+        part = (counts * (k + 1)) // n - (counts * k) // n  # [etp, W, E]
+        me, per = self.binding.comm.me, self.num_local_experts
+        sizes = part[:, :, me * per:(me + 1) * per].sum(dim=1)
+        if tuple(sizes[self.tp_rank].tolist()) != meta.chunk[k].tokens_per_expert:
+            raise RuntimeError(f"PiperTokenDispatcher: chunk {k + 1}/{n} brings {meta.chunk[k].tokens_per_expert} "
+                               f"tokens per local expert, its expert-TP split says {sizes[self.tp_rank].tolist()}")
+        return sizes
+
+    def _etp_experts(self, experts: Callable[..., torch.Tensor], tokens: torch.Tensor, probs: torch.Tensor | None,
+                     sizes: torch.Tensor) -> torch.Tensor:
+        """One chunk through this rank's shard of the experts (etp > 1), as the stock
+        ``dispatch_postprocess``/``combine_preprocess`` run all of a step's tokens: all-gather every
+        expert-TP rank's chunk, sort (rank, expert) runs by expert, experts, sort back, reduce-scatter.
+        ``sizes`` [etp, local experts] from :meth:`_etp_sizes`. Megatron's mappings are autograd
+        Functions whose backward is the reverse collective, so ``moe_alltoall`` runs each chunk's
+        gather/scatter backward in its fixed chunk order, the same on every expert-TP rank."""
+        per_rank = sizes.sum(dim=1).tolist()
+        tokens = gather_from_sequence_parallel_region(tokens, group=self.tp_group, output_split_sizes=per_rank)
+        if probs is not None:
+            probs = gather_from_sequence_parallel_region(probs, group=self.tp_group, output_split_sizes=per_rank)
+        runs = torch.arange(sizes.numel())
+        tokens, probs = sort_chunks_by_idxs(tokens, sizes.ravel(), runs.reshape(sizes.shape).T.ravel(), probs=probs)
+        out = experts(tokens, tuple(sizes.sum(dim=0).tolist()), probs)
+        out, _ = sort_chunks_by_idxs(out, sizes.T.ravel(), runs.reshape(sizes.shape[1], -1).T.ravel())
+        # the stock combine_preprocess reduces in the probs' dtype
+        return reduce_scatter_to_sequence_parallel_region(out.to(self.probs.dtype), group=self.tp_group,
+                                                          input_split_sizes=per_rank).to(out.dtype)
+
+
+class _ExpertGroupAutoChunks(AutoChunks):
+    """An :class:`AutoChunks` whose choice the expert-TP group shares: with etp > 1 each expert-TP
+    rank of an EP rank runs its own EP group's exchanges, yet all of them gather and scatter every
+    chunk together, so they must run the same chunk count. The base decides over the EP group (MAX of
+    each candidate's median); one more all-reduce (MAX) over the expert-TP group of those, and the
+    same rule (``choose``) on the result, gives every rank of the tp x ep group the same count."""
+
+    def __init__(self, comm: A2AComm, tp_group: dist.ProcessGroup, **kwargs: Any) -> None:
+        super().__init__(comm, **kwargs)
+        self.tp_group = tp_group
+
+    def _decide(self) -> None:
+        super()._decide()
+        ranks = tuple(dist.get_process_group_ranks(self.tp_group))
+        if len(ranks) == 1 or self.medians_s is None:
+            return
+        t = torch.tensor([self.medians_s[c] for c in self.candidates], dtype=torch.float64, device=self.device)
+        what = timeouts.OpName(op="AutoChunks decision over the expert-TP group (all-reduce of measured layer times)",
+                               stage="stage 1/1", ranks=ranks, rank=dist.get_rank())
+        work = timeouts.launch(what, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group,
+                                                             async_op=True))
+        timeouts.wait(work, what, self.comm.timeout if self.comm.host_timeout else None)
+        self.medians_s = dict(zip(self.candidates, t.cpu().tolist()))
+        self.chosen = choose(self.medians_s, self.margin)
+
+
+class _Posted(torch.autograd.Function):
+    """The end of an exchange posted earlier (``start_exchange``): forward waits for it; backward
+    runs the reverse exchange (as :func:`piper_core.runtime.exchange`'s backward does)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, pending: PendingExchange,  # type: ignore[override]
+                plan: ExchangePlan) -> torch.Tensor:
+        ctx.plan = plan
+        return pending.wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return start_exchange(grad.contiguous(), ctx.plan, backward=True).wait(), None, None
+
+
+def _exchange_beside(tensors: tuple[torch.Tensor, ...], plan: ExchangePlan,
+                     work: Callable[[], None] | None) -> list[torch.Tensor]:
+    """Each of ``tensors`` exchanged by ``plan`` (differentiable); ``work()`` runs while they are all
+    in flight (posted in order, waited in order: the same on every rank). None: one after another."""
+    if work is None:
+        return [exchange(t, plan) for t in tensors]
+    pending = [start_exchange(t.detach(), plan) for t in tensors]
+    work()
+    return [_Posted.apply(t, p, plan) for t, p in zip(tensors, pending)]
 
 
 def _marker(record: LayerRecord) -> Callable[[ScheduleEvent], None]:

@@ -45,10 +45,11 @@ from piper_core.errors import Infeasible, SpecError
 from piper_core.calibrate.profile import load_profile
 from piper_core.presets import load_cluster
 from piper_core.resource.predict import Prediction
-from piper_core.scheduler.search import SearchResult, best_predictions, search
+from piper_core.scheduler.search import RETIME, SearchResult, best_predictions, search
 from piper_core.scheduler.space import SearchSpace, default_space
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
+from piper_core.timing.step import step_time
 from piper_megatron.args import (
     Change,
     PiperOptions,
@@ -60,7 +61,7 @@ from piper_megatron.args import (
     parse_piper_options,
     piper_options,
 )
-from piper_megatron.pins import Pins, admits, pins_from, restrict
+from piper_megatron.pins import SHARED_EXPERT_OVERLAP, Pins, admits, pins_from, restrict
 from piper_megatron.resume import PlanRecord, check_save, make_record, narrow, resume_from, widen, write_record
 
 Api = Literal["0.16", "0.17-0.19"]
@@ -173,7 +174,7 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
     model, pins = model_spec_from_args(ns, defaults), pins_from(argv, options)
     precision_note = _check_precision(ns, pins)
     cluster, notes = _cluster(options)
-    notes += [precision_note] if precision_note else []
+    notes += [*options.notes, *([precision_note] if precision_note else [])]
     gbs = getattr(ns, "global_batch_size", None)
     if gbs is None:
         raise SpecError("--global-batch-size", None, "is required with --piper (Megatron's default, micro batch x "
@@ -188,6 +189,9 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
         space = narrow(space, resume, model, pins, world_size=world_size, gbs=gbs, attention=_attention(ns))
         notes.append(resume.note(cluster.name))
     result = search(model, cluster, world_size, gbs, space=space, attention_backend=_attention(ns))
+    if model.moe_shared_expert_intermediate_size and not SHARED_EXPERT_OVERLAP:
+        _without_shared_overlap(model, cluster, result)
+        notes.append(SHARED_NOTE)
     kept = [s for s in result.scored if admits(s.plan, model, pins)]
     if len(kept) < len(result.scored):
         result.rejected["breaks a pinned pipeline split"] += len(result.scored) - len(kept)
@@ -199,6 +203,25 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
     check_save(ns, resume, model, best[0].plan)
     return Planned(model=model, cluster=cluster, gpus=world_size, gbs=gbs, pins=pins, result=result, best=best,
                    notes=tuple(notes + _pin_notes(pins)))
+
+
+SHARED_NOTE = ("the shared expert runs after the exchange, not beside it: Piper's dispatcher does not run Megatron's "
+               "--moe-shared-expert-overlap, so the plans are timed without that overlap")
+
+
+def _without_shared_overlap(model: ModelSpec, cluster: ClusterSpec, result: SearchResult) -> None:
+    """The search's plans with ``shared_expert_overlap`` off (see :data:`piper_megatron.pins.
+    SHARED_EXPERT_OVERLAP`), re-timed as the search times them: the closed form for every plan,
+    then the exact 1F1B simulation for the ``RETIME`` best (piper_core.scheduler.search)."""
+    for n, s in enumerate(result.scored):
+        if s.plan.shared_expert_overlap:
+            plan = dataclasses.replace(s.plan, shared_expert_overlap=False)
+            step_s = step_time(model, plan, cluster, exact=False).step
+            result.scored[n] = dataclasses.replace(s, plan=plan, step_s=step_s)
+    head = result.best(RETIME)
+    retimed = {id(s) for s in head}
+    result.scored = [dataclasses.replace(s, step_s=step_time(model, s.plan, cluster).step) for s in head] + \
+        [s for s in result.scored if id(s) not in retimed]
 
 
 def _pin_notes(pins: Pins) -> list[str]:
@@ -245,19 +268,24 @@ def report(planned: Planned, changes: Sequence[Change], dispatcher: str | None) 
 
 
 def dispatcher_description(planned: Planned) -> str | None:
+    """The token dispatcher line of the report: the plan's exchange algorithm and its chunks (or
+    the run-time tuning of them), None for a dense model."""
     plan = planned.top.plan
     if not planned.model.is_moe:
         return None
+    stages = "intra-node, then inter-node" if plan.a2a == "hierarchical" else ""
     if planned.pins.tune:
         from piper_core.runtime.autochunks import ADAPTER_TUNING
-        chunks = (f"chunk count measured per MoE layer at run time ({ADAPTER_TUNING}, then the fastest; "
-                  f"planned with {plan.a2a_chunks})")
+        a2a = (f"Piper pipelined all-to-all of {plan.a2a} exchanges{f' ({stages})' if stages else ''}, chunk count "
+               f"measured per MoE layer at run time ({ADAPTER_TUNING}, then the fastest; planned with "
+               f"{plan.a2a_chunks})")
+    elif plan.a2a_chunks > 1:
+        a2a = (f"Piper pipelined all-to-all, {plan.a2a_chunks} chunks of {plan.a2a} exchanges "
+               f"({f'{stages}; ' if stages else ''}chunk k+1's exchange overlaps chunk k's experts)")
     else:
-        chunks = f"{plan.a2a_chunks} chunks"
-    a2a = {"flat": "Piper flat all-to-all", "hierarchical": "Piper hierarchical all-to-all (intra-node, then "
-           "inter-node)", "pipelined": f"Piper pipelined all-to-all, {chunks} (chunk k+1's exchange "
-           "overlaps chunk k's experts)"}[plan.a2a]
-    return a2a + (f" over expert-parallel groups of {plan.ep}" if plan.ep > 1 else " (ep=1: local permutation only)")
+        a2a = f"Piper {plan.a2a} all-to-all{f' ({stages})' if stages else ''}"
+    a2a += f" over expert-parallel groups of {plan.ep}" if plan.ep > 1 else " (ep=1: local permutation only)"
+    return a2a + ("; the shared expert overlaps the exchange" if plan.shared_expert_overlap else "")
 
 
 # ---- hooks -------------------------------------------------------------------------------------------

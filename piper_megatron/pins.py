@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from piper_core.errors import SpecError, nearest
-from piper_core.scheduler.space import A2A_CHOICES, SearchSpace
+from piper_core.scheduler.space import A2A_CHOICES, A2AVariant, SearchSpace
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 
@@ -50,6 +50,13 @@ PINNABLE: dict[str, tuple[str, Callable[[str], Any] | None, Any]] = {
     "--moe-token-dispatcher-type": ("moe_token_dispatcher_type", str, "allgather"),
     "--moe-shared-expert-overlap": ("moe_shared_expert_overlap", None, False),
 }
+
+# Whether Piper's token dispatcher runs Megatron's --moe-shared-expert-overlap. It does: the stock
+# dispatcher overlaps the shared expert inside its own phases, and PiperTokenDispatcher runs the same
+# pieces beside its own exchanges (piper_megatron.dispatcher module doc). Were it False, --piper plans
+# would run the shared expert after the exchange (install.plan_job re-times the searched plans so) and
+# the flag would be refused on the line.
+SHARED_EXPERT_OVERLAP = True
 
 # --piper-off NAME: the Megatron flags --piper may turn on (NAME is the flag without "--"; its dest
 # is NAME with underscores). recompute-granularity off means no activation recompute.
@@ -102,6 +109,7 @@ class Pins:
     a2a: A2AFlag = "auto"
     chunks: int | None = None
     tune: bool = False
+    min_chunks: int = 1  # 2: the old --piper-a2a pipelined (PiperOptions.min_chunks)
     off: tuple[str, ...] = ()
 
     @property
@@ -120,12 +128,14 @@ class Pins:
         return {n.replace("-", "_"): None if n == "recompute-granularity" else False for n in self.off_all}
 
     def describe(self) -> str:
-        """e.g. ``--tensor-model-parallel-size 4, --piper-a2a pipelined`` (or ``none``)."""
+        """e.g. ``--tensor-model-parallel-size 4, --piper-a2a hierarchical, --piper-chunks 2`` (or ``none``)."""
         flags = {dest: flag for flag, (dest, _, _) in PINNABLE.items()}
         parts = [flags[d] if v is True else f"{flags[d]} {v}" for d, v in self.given]
         parts += [f"--piper-a2a {self.a2a}"] if self.a2a != "auto" else []
         parts += [f"--piper-chunks {self.chunks}"] if self.chunks is not None else []
         parts += ["--piper-chunks tune"] if self.tune else []
+        parts += [f"--piper-chunks auto >= {self.min_chunks}"] if self.min_chunks > 1 and self.chunks is None \
+            and not self.tune else []
         if self.off:
             implied = [n for n in self.off_all if n not in self.off]
             parts.append(f"--piper-off {','.join(self.off)}" + (f" (so also off: {', '.join(implied)})"
@@ -145,21 +155,21 @@ def pins_from(argv: Sequence[str], options: PiperOptions) -> Pins:
         raise SpecError("--moe-token-dispatcher-type", dispatcher, "--piper replaces Megatron's alltoall token "
                         "dispatcher with Piper's; other dispatchers cannot be combined with it",
                         "drop the flag, or plan with `piper plan --export-megatron` and run without --piper")
-    if given.get("moe_shared_expert_overlap"):
+    if given.get("moe_shared_expert_overlap") and not SHARED_EXPERT_OVERLAP:
         raise SpecError("--moe-shared-expert-overlap", True, "Piper's dispatcher runs its own exchanges "
                         "(Megatron overlaps the shared expert inside the stock token_dispatch/token_combine)",
                         "drop --moe-shared-expert-overlap")
-    etp = given.get("expert_tensor_parallel_size")
-    if etp is not None and etp != 1:
-        raise SpecError("--expert-tensor-parallel-size", etp, "Piper's token dispatcher runs with expert "
-                        "tensor parallel size 1 (experts whole on each expert-parallel rank)",
-                        "drop the flag or set it to 1, or run without --piper")
+    etp, tp = given.get("expert_tensor_parallel_size"), given.get("tensor_model_parallel_size")
+    if etp is not None and etp != 1 and tp is not None and etp != tp:
+        raise SpecError("--expert-tensor-parallel-size", etp, f"the search runs the experts with expert tensor "
+                        f"parallel size 1 or equal to --tensor-model-parallel-size ({tp})",
+                        f"pin --expert-tensor-parallel-size 1 or {tp}, or drop one of the two flags")
     if options.tune and given.get("recompute_granularity") == "full":
         raise SpecError("--piper-chunks", "tune", "full recompute runs each MoE layer's forward twice, and a layer "
                         "still tuning would run the two with different chunk counts", "give a chunk count "
                         "(--piper-chunks N or auto), or drop --recompute-granularity full")
     pins = Pins(given=tuple(sorted(given.items())), a2a=options.a2a, chunks=options.chunks, tune=options.tune,
-                off=options.off)
+                min_chunks=options.min_chunks, off=options.off)
     _check_off(pins)
     return pins
 
@@ -175,24 +185,26 @@ def _check_off(pins: Pins) -> None:
                             f"drop --{name} or take {name} out of --piper-off")
 
 
-def _a2a_choices(pins: Pins, space: SearchSpace) -> tuple[tuple[str, int], ...]:
-    choices = tuple(dict.fromkeys(A2A_CHOICES + space.a2a))  # the space may hold a recorded chunk count
-    if pins.a2a == "pipelined" or pins.tune:
-        chunks = (pins.chunks,) if pins.chunks else tuple(c for a, c in choices if a == "pipelined")
-        return tuple(("pipelined", c) for c in chunks)
-    if pins.a2a != "auto":
-        return ((pins.a2a, 1),)
-    if pins.chunks is None:
-        return choices
-    return (("pipelined", pins.chunks),) if pins.chunks > 1 else tuple(c for c in choices if c[1] == 1)
+def _a2a_choices(pins: Pins, space: SearchSpace) -> tuple[A2AVariant, ...]:
+    """The (algorithm, chunks, EP overlap) variants ``--piper-a2a`` and ``--piper-chunks`` leave, each
+    chosen independently. Never Megatron's EP overlap: it runs inside Megatron's own dispatcher, which
+    --piper replaces (:func:`piper_core.runners.megatron_piper`)."""
+    choices = tuple(v for v in dict.fromkeys(A2A_CHOICES + space.a2a) if not v[2])  # space: maybe a recorded one
+    algorithms = tuple(dict.fromkeys(a for a, _, _ in choices)) if pins.a2a == "auto" else (pins.a2a,)
+    if pins.chunks is not None:
+        counts: tuple[int, ...] = (pins.chunks,)
+    else:  # auto, or tune (the plan's count is what the step-time model assumes until a layer decides)
+        counts = tuple(dict.fromkeys(c for _, c, _ in choices if c >= pins.min_chunks))
+    return tuple((a, c, False) for a in algorithms for c in counts)
 
 
 def restrict(space: SearchSpace, pins: Pins) -> SearchSpace:
     """``space`` with each pinned dimension reduced to the pinned value (which may lie outside the
-    default range), the expert tensor parallel size at 1 (Piper's dispatcher), the all-to-all
-    choices of ``--piper-a2a``/``--piper-chunks`` and the switches of ``--piper-off`` left off."""
+    default range; a pinned expert tensor parallel size > 1 is the tensor parallel size, as the search
+    sets it: pins_from refuses other values), the all-to-all choices of ``--piper-a2a``/
+    ``--piper-chunks`` and the switches of ``--piper-off`` left off."""
     v = pins.values
-    out: dict[str, Any] = {"etp_equals_tp": (False,), "a2a": _a2a_choices(pins, space)}
+    out: dict[str, Any] = {"a2a": _a2a_choices(pins, space)}
     for dest, dim in (("tensor_model_parallel_size", "tp"), ("pipeline_model_parallel_size", "pp"),
                       ("context_parallel_size", "cp"), ("expert_model_parallel_size", "ep"),
                       ("micro_batch_size", "mbs"), ("num_virtual_stages_per_pipeline_rank", "vpp")):
@@ -200,7 +212,7 @@ def restrict(space: SearchSpace, pins: Pins) -> SearchSpace:
             out[dim] = (v[dest],)
     if pins.tune:  # a layer still tuning must not run its forward twice (recompute) with two chunk counts
         out["recompute"] = tuple(r for r in space.recompute if r != "full")
-    if pins.a2a != "auto" or (pins.chunks or 1) > 1 or pins.tune:  # a chosen all-to-all needs expert parallelism
+    if pins.a2a != "auto" or (pins.chunks or 1) > 1 or pins.tune or pins.min_chunks > 1:  # needs expert parallelism
         out["ep"] = tuple(e for e in out.get("ep", space.ep) if e > 1)
         if not out["ep"]:
             raise SpecError("--piper-a2a/--piper-chunks", f"{pins.a2a}/{'tune' if pins.tune else pins.chunks or 'auto'}",
@@ -209,6 +221,11 @@ def restrict(space: SearchSpace, pins: Pins) -> SearchSpace:
                             "ep is pinned to 1)", "drop --piper-a2a/--piper-chunks or pin ep > 1")
     if v.get("sequence_parallel") and "tensor_model_parallel_size" not in v:
         out["tp"] = tuple(t for t in space.tp if t > 1) or space.tp
+    etp = v.get("expert_tensor_parallel_size")
+    if etp is not None:
+        out["etp_equals_tp"] = (False,) if etp == 1 else (True,)
+        if etp != 1:
+            out["tp"] = (etp,)
     if "recompute_granularity" in v:
         out["recompute"] = (v["recompute_granularity"],)
     if v.get("use_distributed_optimizer") or v.get("overlap_param_gather") or v.get("optimizer_cpu_offload"):

@@ -16,6 +16,9 @@
   load wrongly or be resharded silently.
 * ``--save DIR`` where DIR already holds a checkpoint this run does not resume is refused unless its
   record is this run's plan: the record can describe only one layout.
+* Records of format 1 (written before the exchange algorithm and its chunk count were independent)
+  load with both overlap fields off and an ``a2a: pipelined`` read as flat in its chunks
+  (:meth:`ParallelPlan.read_legacy`, a FutureWarning), which the resume note repeats.
 
 Pure Python (json, pathlib); no torch, no Megatron import.
 """
@@ -38,12 +41,16 @@ from piper_megatron.pins import Pins, admits
 
 RECORD_NAME = "piper_plan.json"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"  # megatron/training/checkpointing.py get_checkpoint_tracker_filename
-FORMAT = 1
+FORMAT = 2
 # ParallelPlan fields a resumed run keeps (gpus is the world size; batch, precision and attention are inputs).
 LAYOUT_FIELDS: tuple[str, ...] = (
     "tp", "pp", "vpp", "cp", "ep", "etp", "sequence_parallel", "micro_batch_size", "recompute", "recompute_method",
     "recompute_num_layers", "distributed_optimizer", "grad_reduce_in_bf16", "optimizer_offload_fraction", "a2a",
-    "a2a_chunks", "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+    "a2a_chunks", "shared_expert_overlap", "ep_comm_overlap", "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage")
+# Format 1 (before the exchange algorithm and its chunk count were independent): no overlap fields (both
+# off then), and a2a may be "pipelined" (flat in a2a_chunks chunks; ParallelPlan.read_legacy).
+_FORMAT_1_ADDED = {"shared_expert_overlap": False, "ep_comm_overlap": False}
 _KEYS = ("format", "piper_version", "model", "world_size", "cluster", "plan", "layout", "megatron")
 # What can rule out a recorded value, per dimension of the search space (for the error message).
 _RULED_OUT_BY = {
@@ -75,6 +82,7 @@ class PlanRecord:
     plan: str
     layout: tuple[tuple[str, Any], ...]
     megatron: tuple[tuple[str, Any], ...]
+    notes: tuple[str, ...] = ()  # how an older format was read (not written)
 
     @property
     def fields(self) -> dict[str, Any]:
@@ -114,18 +122,32 @@ def read_record(path: Path) -> PlanRecord:
     if not isinstance(body, dict) or set(body) != set(_KEYS):
         keys = sorted(body) if isinstance(body, dict) else type(body).__name__
         raise SpecError(RECORD_NAME, keys, f"must hold exactly the keys {', '.join(_KEYS)}", fix, where=str(path))
-    if body["format"] != FORMAT:
-        raise SpecError("format", body["format"], f"this Piper reads format {FORMAT}", fix, where=str(path))
-    layout = body["layout"]
-    if not isinstance(layout, dict) or set(layout) != set(LAYOUT_FIELDS):
-        raise SpecError("layout", layout, f"must hold exactly {', '.join(LAYOUT_FIELDS)}", fix, where=str(path))
+    if body["format"] not in (1, FORMAT):
+        raise SpecError("format", body["format"], f"this Piper reads formats 1 and {FORMAT}", fix, where=str(path))
+    layout, notes = _layout(body, path, fix)
     for key, kind in (("piper_version", str), ("model", str), ("world_size", int), ("cluster", str), ("plan", str),
                       ("megatron", dict)):
         if not isinstance(body[key], kind):
             raise SpecError(key, body[key], f"must be a {kind.__name__}", fix, where=str(path))
     return PlanRecord(piper_version=body["piper_version"], model=body["model"], world_size=body["world_size"],
                       cluster=body["cluster"], plan=body["plan"], layout=tuple((f, layout[f]) for f in LAYOUT_FIELDS),
-                      megatron=tuple(body["megatron"].items()))
+                      megatron=tuple(body["megatron"].items()), notes=notes)
+
+
+def _layout(body: dict[str, Any], path: Path, fix: str) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The record's layout in this format's fields, and how an older format was read."""
+    layout, format_1 = body["layout"], body["format"] == 1
+    fields = [f for f in LAYOUT_FIELDS if not (format_1 and f in _FORMAT_1_ADDED)]
+    if not isinstance(layout, dict) or set(layout) != set(fields):
+        raise SpecError("layout", layout, f"must hold exactly {', '.join(fields)} (format {body['format']})", fix,
+                        where=str(path))
+    if not format_1:
+        return layout, ()
+    read = ParallelPlan.read_legacy({**_FORMAT_1_ADDED, **layout}, str(path))  # FutureWarning for "pipelined"
+    if read["a2a"] == layout["a2a"]:
+        return read, ()
+    return read, (f"{path} (format 1, Piper {body['piper_version']}): its a2a 'pipelined' is read as a2a "
+                  f"'{read['a2a']}' in {read['a2a_chunks']} chunks, the same exchange",)
 
 
 def write_record(directory: Path, record: PlanRecord) -> Path:
@@ -160,7 +182,7 @@ class Resume:
         r = self.record
         other = f", planned then for {r.cluster}" if r.cluster != cluster else ""
         return (f"--load {self.directory}: resuming with the plan its checkpoint was saved with, {r.plan} "
-                f"({self.path}, Piper {r.piper_version}{other})")
+                f"({self.path}, Piper {r.piper_version}{other})" + "".join(f"; {n}" for n in r.notes))
 
     def hint(self) -> str:
         """For the no-plan message: why the search held only one plan."""
@@ -224,7 +246,7 @@ def widen(space: SearchSpace, resume: Resume | None) -> SearchSpace:
         cp=add(space.cp, r["cp"]), ep=add(space.ep, r["ep"]), mbs=add(space.mbs, r["micro_batch_size"]),
         recompute=add(space.recompute, r["recompute"]),
         distributed_optimizer=add(space.distributed_optimizer, r["distributed_optimizer"]),
-        a2a=add(space.a2a, (r["a2a"], r["a2a_chunks"])),
+        a2a=add(space.a2a, _variant(r)),
         memory_savers=add(space.memory_savers, (r["grad_reduce_in_bf16"], r["optimizer_offload_fraction"])))
 
 
@@ -237,12 +259,13 @@ def narrow(space: SearchSpace, resume: Resume, model: ModelSpec, pins: Pins, *, 
         return _as_written(space, pins)
     r = resume.record.fields
     wanted = {"tp": (r["tp"], space.tp), "pp": (r["pp"], space.pp), "vpp": (r["vpp"] or 1, space.vpp),
-              "cp": (r["cp"], space.cp), "ep": (r["ep"], space.ep), "etp": (r["etp"], (1,)),
+              "cp": (r["cp"], space.cp), "ep": (r["ep"], space.ep),
+              "etp": (_etp(r), tuple(r["tp"] if same else 1 for same in space.etp_equals_tp)),
               "micro_batch_size": (r["micro_batch_size"], space.mbs), "recompute": (r["recompute"], space.recompute),
               "distributed_optimizer": (r["distributed_optimizer"], space.distributed_optimizer),
               "memory_savers": ((r["grad_reduce_in_bf16"], r["optimizer_offload_fraction"]), space.memory_savers)}
     if r["ep"] > 1:
-        wanted["a2a"] = ((r["a2a"], r["a2a_chunks"]), space.a2a)
+        wanted["a2a"] = (_variant(r), space.a2a)
     if r["sequence_parallel"]:
         wanted["sequence_parallel"] = (True, (space.sequence_parallel,))
     for dim, (value, allowed) in wanted.items():
@@ -258,10 +281,27 @@ def narrow(space: SearchSpace, resume: Resume, model: ModelSpec, pins: Pins, *, 
         _ruled_out(resume, pins, "pipeline split", plan.num_layers_in_last_pipeline_stage, "the pinned split")
     return dataclasses.replace(
         space, tp=(r["tp"],), pp=(r["pp"],), vpp=(r["vpp"] or 1,), cp=(r["cp"],), ep=(r["ep"],),
-        mbs=(r["micro_batch_size"],), recompute=(r["recompute"],),
-        distributed_optimizer=(r["distributed_optimizer"],), a2a=((r["a2a"], r["a2a_chunks"]),),
+        etp_equals_tp=(_etp_is_tp(r),), mbs=(r["micro_batch_size"],), recompute=(r["recompute"],),
+        distributed_optimizer=(r["distributed_optimizer"],), a2a=(_variant(r),),
         memory_savers=((r["grad_reduce_in_bf16"], r["optimizer_offload_fraction"]),),
         sequence_parallel=r["sequence_parallel"] or r["tp"] == 1)
+
+
+def _etp(r: dict[str, Any]) -> int:
+    """The recorded expert tensor parallel size (None in a plan: equal to tp)."""
+    return r["tp"] if r["etp"] is None else r["etp"]
+
+
+def _etp_is_tp(r: dict[str, Any]) -> bool:
+    """The recorded expert tensor parallel size as the search's ``etp_equals_tp`` dimension (the search
+    runs experts with etp 1 or etp = tp, which ``narrow`` checked; etp 1 at tp 1 reads as False, the
+    one the search keeps of the two)."""
+    return _etp(r) > 1
+
+
+def _variant(r: dict[str, Any]) -> tuple[str, int, bool]:
+    """The recorded exchange as a ``SearchSpace.a2a`` variant (algorithm, chunks, EP overlap)."""
+    return r["a2a"], r["a2a_chunks"], r["ep_comm_overlap"]
 
 
 def _as_written(space: SearchSpace, pins: Pins) -> SearchSpace:

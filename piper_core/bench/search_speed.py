@@ -1,13 +1,16 @@
 """Scheduler search speed: the full default space for deepseek-v3 on 1024 dgx-h100 GPUs.
 
 Run: ``make bench`` (or ``python -m piper_core.bench.search_speed [--repeat N] [--json]``).
-Prints the wall time of each repetition, the median, and plans searched per second.
+Prints the wall time of each repetition, the median, plans searched per second, and the machine's
+load average (other work slows a shared machine's runs; quote the load with the times). Each
+repetition is a fresh search (no cache outlives a search), so the median is not a warm-cache figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -35,9 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"model": model_name, "cluster": cluster_name, "gpus": gpus, "gbs": gbs,
                      "candidates": result.candidates, "feasible": result.feasible, "wall_s": walls,
                      "median_s": median, "plans_per_s": result.candidates / median})
+    load = os.getloadavg()
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"load_average": load, "cases": rows}, indent=2))
     else:
+        print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
         for r in rows:
             print(f"{r['model']:>14} on {r['gpus']:>5} {r['cluster']}: {r['candidates']:,} plans "
                   f"({r['feasible']:,} feasible), median {r['median_s']:.2f} s of "

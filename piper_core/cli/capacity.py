@@ -34,7 +34,7 @@ from piper_core.presets import load_model
 from piper_core.resource.memory import GIB
 from piper_core.resource.predict import Prediction, to_json
 from piper_core.scheduler.search import SearchResult, best_predictions, search
-from piper_core.scheduler.space import default_space
+from piper_core.scheduler.space import UNPIPELINED, default_space
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.yamlio import to_dict
@@ -112,7 +112,7 @@ def family(model: ModelSpec, scale: str, gpus: int) -> Family:
 def probe_space(model: ModelSpec, cluster: ClusterSpec, gpus: int):
     """The default space less choices that never decide whether a plan fits: the all-to-all variant
     (no memory), micro-batch > 1 and no distributed optimizer (each only adds memory)."""
-    return dataclasses.replace(default_space(model, cluster, gpus), a2a=(("flat", 1),), mbs=(1,),
+    return dataclasses.replace(default_space(model, cluster, gpus), a2a=(UNPIPELINED,), mbs=(1,),
                                distributed_optimizer=(True,))
 
 

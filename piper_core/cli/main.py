@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from piper_core.errors import SpecError
 
@@ -27,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]  # recorded in what a command writes
     try:
-        return args.func(args)
+        with warnings.catch_warnings():  # notices (old settings read, ...) go to stderr as one line each
+            warnings.showwarning = lambda message, *_a, **_k: print(f"piper {args.command}: note: {message}",
+                                                                   file=sys.stderr)
+            return args.func(args)
     except SpecError as exc:
         print(f"piper {args.command}: error: {exc}", file=sys.stderr)
         return 2

@@ -18,12 +18,13 @@ KEYS: dict[str, str] = {
     "recompute_layers": "recompute_num_layers", "dist_opt": "distributed_optimizer",
     "grad_bf16": "grad_reduce_in_bf16", "offload": "optimizer_offload_fraction",
     "precision": "precision", "attention": "attention_backend", "a2a": "a2a", "chunks": "a2a_chunks",
+    "shx": "shared_expert_overlap", "epov": "ep_comm_overlap",
     "first_stage_layers": "num_layers_in_first_pipeline_stage",
     "last_stage_layers": "num_layers_in_last_pipeline_stage",
 }
 _INTS = {"tp", "pp", "vpp", "ep", "etp", "cp", "mbs", "gbs", "recompute_layers", "chunks",
          "first_stage_layers", "last_stage_layers"}
-_BOOLS = {"sp", "dist_opt", "grad_bf16"}
+_BOOLS = {"sp", "dist_opt", "grad_bf16", "shx", "epov"}
 _FLOATS = {"offload"}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -66,7 +67,7 @@ def parse_parallel(text: str, gpus: int, **defaults: Any) -> ParallelPlan:
     if "global_batch_size" not in fields:
         raise SpecError("--parallel gbs", None, "the global batch size is required",
                         "add gbs=<sequences per step>, e.g. gbs=1024")
-    return ParallelPlan(gpus=gpus, **fields)
+    return ParallelPlan(gpus=gpus, **ParallelPlan.read_legacy(fields, "--parallel"))
 
 
 def add_target_args(p: argparse.ArgumentParser, model_help: str = "model preset name or ModelSpec YAML path") -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
+from typing import TextIO
 
 from piper_core.cli.parse import add_target_args, target_cluster
 from piper_core.cli.progress import Progress
@@ -15,7 +17,9 @@ from piper_core.presets import load_model
 from piper_core.resource.memory import GIB
 from piper_core.resource.params import total_params
 from piper_core.resource.predict import Prediction, predict, to_json
-from piper_core.scheduler.search import SearchResult, best_predictions, search
+from piper_core.runners import RUNNERS
+from piper_core.scheduler.search import (RANK_RULES, SearchResult, best_runnable, deciding_rule, search,
+                                         why_not_runnable)
 from piper_core.specs.model import ModelSpec
 
 DEFAULT_TOKENS_PER_STEP = 4 * 1024 * 1024
@@ -54,16 +58,26 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError("--gpus", args.gpus, "must be a positive number", "give the world size, e.g. --gpus 64")
     if not 0.0 <= args.memory_headroom < 1.0:
         raise SpecError("--memory-headroom", args.memory_headroom, "must be in [0, 1)", "use e.g. 0.1 to keep 10 % free")
+    if args.top < 1:
+        raise SpecError("--top", args.top, "must be at least 1", "show e.g. --top 5 plans")
     gbs = args.gbs or default_gbs(model, args.gpus)
     result = search(model, cluster, args.gpus, gbs, memory_headroom=args.memory_headroom,
                     attention_backend=args.attention, progress=Progress("searching"))
-    best = best_predictions(model, cluster, result, args.top)
+    # --json: standard output carries the JSON object alone; notes go to standard error
+    notes = sys.stderr if args.json else sys.stdout
+    ranked = result.best(result.feasible)
+    # the runner-up of the whole search explains the pick, whatever --top shows
+    leading = [predict(model, cluster, s.plan) for s in ranked[:max(args.top, 2)]]
+    best = leading[:args.top]
+    runtimes = runtime_bests(model, cluster, result, ranked, leading)
     if best:
-        _exports(args, model, cluster, best[0], result)
+        _exports(args, model, cluster, best[0], result, runtimes, notes)
     if args.json:
-        print(json.dumps(plan_json(result, best, gbs), indent=2))
+        print(json.dumps(plan_json(result, best, gbs, runtimes=runtimes,
+                                   needs=None if best else min_gpus(model, cluster)), indent=2))
     else:
-        print(render(model.name, cluster.name, args.gpus, gbs, result, best))
+        print(render(model.name, cluster.name, args.gpus, gbs, result, best, leading=leading, ranked=ranked,
+                     runtimes=runtimes))
         if best and args.detail:
             from piper_core.cli.predict import render as render_prediction
             print("\n" + render_prediction(best[0]))
@@ -73,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if best else 1
 
 
-def _exports(args, model, cluster, best: Prediction, result: SearchResult) -> None:
+def _exports(args, model, cluster, best: Prediction, result: SearchResult, runtimes: dict, notes: TextIO) -> None:
     from piper_core.export import deepspeed_compatible
 
     if args.export_megatron:
@@ -81,14 +95,15 @@ def _exports(args, model, cluster, best: Prediction, result: SearchResult) -> No
         Path(args.export_megatron).write_text(megatron_args(best))
     if args.export_deepspeed:
         from piper_core.export import deepspeed_config
-        ds = best_for_deepspeed(model, cluster, result)
+        ds = runtimes["deepspeed piper"].prediction
         if ds is None:
             raise SpecError("--export-deepspeed", args.export_deepspeed, "no feasible plan can run on DeepSpeed-MoE "
-                            "(no tp, etp, cp, vpp or uneven split there)", "add GPUs or export for Megatron only")
+                            f"({runtimes['deepspeed piper'].why_none})", "add GPUs or export for Megatron only")
         Path(args.export_deepspeed).write_text(json.dumps(deepspeed_config(ds), indent=2) + "\n")
         if ds.plan != best.plan:
-            print(f"DeepSpeed export: the best plan needs Megatron ({deepspeed_compatible(best.plan)}); wrote the "
-                  f"best DeepSpeed-compatible plan instead: {describe(ds.plan)}, predicted MFU {100 * ds.rate.mfu:.1f}%")
+            why = deepspeed_compatible(best.plan) or RUNNERS["deepspeed piper"](best.plan)
+            print(f"DeepSpeed export: the best plan needs Megatron ({why}); wrote the best plan DeepSpeed-MoE can run "
+                  f"instead: {describe(ds.plan)}, predicted MFU {100 * ds.rate.mfu:.1f}%", file=notes)
     if args.plot:
         from piper_core.plots import write_plots
         write_plots(Path(args.plot), best, result)
@@ -118,22 +133,129 @@ def min_gpus(model: ModelSpec, cluster) -> tuple[int, str]:
 
 
 def best_for_deepspeed(model: ModelSpec, cluster, result: SearchResult) -> Prediction | None:
-    """The fastest feasible plan DeepSpeed-MoE can run, fully predicted (None if there is none)."""
-    from piper_core.export import deepspeed_compatible
-    for scored in result.best(result.feasible):
-        if deepspeed_compatible(scored.plan) is None:
-            return predict(model, cluster, scored.plan)
-    return None
+    """The fastest feasible plan Piper's DeepSpeed-MoE integration can run, fully predicted (None if
+    there is none); see :func:`runtime_bests`."""
+    best = best_runnable(model, cluster, result, RUNNERS["deepspeed piper"])
+    return None if best is None else predict(model, cluster, best.plan)
 
 
-def plan_json(result: SearchResult, best: list[Prediction], gbs: int) -> dict:
-    return {"candidates": result.candidates, "feasible": result.feasible, "rejected": dict(result.rejected),
-            "global_batch_size": gbs,
-            "search": {"elapsed_s": result.elapsed_s, "plans_per_s": result.plans_per_s},
-            "plans": [to_json(p) for p in best]}
+# ---- the same search, per runtime ----------------------------------------------------------------
+
+RUNTIME_NAMES = {"megatron --piper": "Megatron --piper", "megatron stock": "Megatron stock",
+                 "deepspeed piper": "DeepSpeed piper", "deepspeed stock": "DeepSpeed stock"}
+FRAMEWORKS = (("megatron", "Megatron-LM", "megatron --piper", "megatron stock"),
+              ("deepspeed", "DeepSpeed", "deepspeed piper", "deepspeed stock"))
 
 
-def render(model: str, cluster: str, gpus: int, gbs: int, result: SearchResult, best: list[Prediction]) -> str:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RuntimeBest:
+    """The best plan one runtime can run (``prediction`` None: none of the feasible plans)."""
+
+    runtime: str
+    prediction: Prediction | None
+    why_none: str = ""
+    reshaped: bool = False  # run with the shared expert after the routed experts (no overlap)
+
+
+def runtime_bests(model: ModelSpec, cluster, result: SearchResult, ranked: list | None = None,
+                  predicted: list[Prediction] = ()) -> dict[str, RuntimeBest]:
+    """Per runtime of :data:`piper_core.runners.RUNNERS`, the best plan of this one search it can run."""
+    ranked = result.best(result.feasible) if ranked is None else ranked
+    known = {p.plan: p for p in predicted}
+    exact: dict = {}
+    out = {}
+    for name, rule in RUNNERS.items():
+        scored = best_runnable(model, cluster, result, rule, ranked=ranked, exact=exact)
+        if scored is None:
+            why = (f"none of the {result.feasible:,} feasible plans (the best: "
+                   f"{why_not_runnable(ranked[0].plan, rule)})" if ranked else "no plan fits")
+            out[name] = RuntimeBest(runtime=name, prediction=None, why_none=why)
+            continue
+        prediction = known.get(scored.plan) or predict(model, cluster, scored.plan)
+        known[scored.plan] = prediction
+        plan = scored.plan  # the search overlaps a shared expert wherever Megatron can (see as_run_by)
+        reshaped = bool(model.moe_shared_expert_intermediate_size) and not plan.shared_expert_overlap \
+            and not plan.ep_comm_overlap
+        out[name] = RuntimeBest(runtime=name, prediction=prediction, reshaped=reshaped)
+    return out
+
+
+def _exchange(plan) -> str:
+    text = f"{plan.a2a}/{plan.a2a_chunks}"
+    return text + ("+shx" if plan.shared_expert_overlap else "") + ("+epov" if plan.ep_comm_overlap else "")
+
+
+def _a2a_share(p: Prediction) -> float:
+    return p.time.breakdown()["exposed_a2a"] / p.time.step
+
+
+def compare(piper: RuntimeBest, stock: RuntimeBest) -> tuple[float | None, str]:
+    """(predicted speedup of the best --piper plan over the best stock plan, one sentence why)."""
+    a, b = piper.prediction, stock.prediction
+    if a is None and b is None:
+        return None, "neither runs a feasible plan"
+    if a is None:
+        return None, f"--piper runs {piper.why_none}; stock runs {describe(b.plan)}"
+    if b is None:
+        return None, f"only --piper runs a feasible plan; stock runs {stock.why_none}"
+    speedup = b.time.step / a.time.step
+    if a.plan == b.plan:
+        return speedup, f"same plan: the exchange is {_exchange(a.plan)} in both"
+    shares = f"exposed all-to-all {100 * _a2a_share(a):.1f}% vs {100 * _a2a_share(b):.1f}% of the step"
+    same_exchange = (a.plan.a2a, a.plan.a2a_chunks, a.plan.ep_comm_overlap) == (b.plan.a2a, b.plan.a2a_chunks,
+                                                                              b.plan.ep_comm_overlap)
+    others = _differences(a.plan, b.plan, exchange=False)
+    rest = f"; also {others}" if others else ""
+    if speedup >= 1.0005:
+        if same_exchange:
+            return speedup, f"--piper {speedup:.2f}x: same exchange ({_exchange(a.plan)}); {others}"
+        return speedup, (f"--piper {speedup:.2f}x: {_exchange(a.plan)} vs stock {_exchange(b.plan)}, {shares}{rest}")
+    if speedup > 1 / 1.0005:
+        return speedup, (f"--piper not faster ({speedup:.3f}x): as fast as stock's {_exchange(b.plan)} "
+                         f"({describe(b.plan)}), {shares}")
+    return speedup, (f"--piper not faster ({speedup:.2f}x): stock's {_exchange(b.plan)} wins over "
+                     f"{_exchange(a.plan)}, {shares}{rest}")
+
+
+def _differences(a, b, *, exchange: bool = True) -> str:
+    keys = ["tp", "pp", "vpp", "cp", "ep", "etp_size", "micro_batch_size", "recompute", "distributed_optimizer",
+            "grad_reduce_in_bf16", "optimizer_offload_fraction", "num_layers_in_last_pipeline_stage"]
+    if exchange:
+        keys += ["a2a", "a2a_chunks", "shared_expert_overlap", "ep_comm_overlap"]
+    return ", ".join(f"{k}={getattr(a, k)} vs {getattr(b, k)}" for k in keys if getattr(a, k) != getattr(b, k))
+
+
+def runtimes_json(runtimes: dict) -> dict:
+    plans = {}
+    for name in RUNNERS:
+        r = runtimes[name]
+        p = r.prediction
+        plans[name] = {"plan": None, "why_none": r.why_none} if p is None else {
+            "plan": describe(p.plan), "settings": to_json(p)["plan"], "step_s": p.time.step, "mfu": p.rate.mfu,
+            "tokens_per_s": p.rate.tokens_per_s, "exposed_a2a_share": _a2a_share(p),
+            "peak_gib": round(p.peak_stage.total / GIB, 4), "shared_expert_after_experts": r.reshaped}
+    vs = {}
+    for key, _, piper, stock in FRAMEWORKS:
+        speedup, note = compare(runtimes[piper], runtimes[stock])
+        vs[key] = {"piper": piper, "stock": stock, "speedup": speedup, "why": note}
+    return {"best": plans, "piper_vs_stock": vs}
+
+
+def plan_json(result: SearchResult, best: list[Prediction], gbs: int, *, runtimes: dict | None = None,
+              needs: tuple[int, str] | None = None) -> dict:
+    out = {"candidates": result.candidates, "feasible": result.feasible, "rejected": dict(result.rejected),
+           "global_batch_size": gbs,
+           "search": {"elapsed_s": result.elapsed_s, "plans_per_s": result.plans_per_s},
+           "plans": [to_json(p) for p in best]}
+    if runtimes is not None:
+        out["runtimes"] = runtimes_json(runtimes)
+    if needs is not None:
+        out["needs"] = {"gpus": needs[0], "for": needs[1]}
+    return out
+
+
+def render(model: str, cluster: str, gpus: int, gbs: int, result: SearchResult, best: list[Prediction], *,
+           leading: list[Prediction] | None = None, ranked: list | None = None, runtimes: dict | None = None) -> str:
     lines = [f"piper plan: {model} on {gpus} GPUs of {cluster}, global batch {gbs}",
              f"searched {result.candidates:,} plans in {result.elapsed_s:.2f} s ({result.plans_per_s:,.0f} plans/s): "
              f"{result.feasible:,} feasible"]
@@ -142,6 +264,10 @@ def render(model: str, cluster: str, gpus: int, gbs: int, result: SearchResult, 
     if not best:
         lines.append("no plan fits: add GPUs, lower --gbs or --seq, or relax --memory-headroom")
         return "\n".join(lines)
+    if leading is None or ranked is None:  # a caller's own list: explain best[0] against best[1]
+        by_plan = {s.plan: s for s in result.scored}
+        leading = best
+        ranked = [by_plan[p.plan] for p in best[:2] if p.plan in by_plan]
     head = f"{'#':>2}  {'plan':<68} {'MFU':>6} {'step s':>8} {'peak/cap GiB':>14} {'a2a exp':>8} {'bubble':>7}"
     lines += ["", head]
     for i, p in enumerate(best, 1):
@@ -155,24 +281,54 @@ def render(model: str, cluster: str, gpus: int, gbs: int, result: SearchResult, 
               f"{top.rate.tokens_per_s:,.0f} tokens/s), step {top.time.step:.3f} s, peak memory "
               f"{top.peak_stage.total / GIB:.1f} of {top.capacity_bytes / GIB:.1f} GiB",
               f"  bottleneck: {top.rate.bottleneck}",
-              f"  why: {why(top, best)}"]
+              f"  why: {why(leading, ranked)}"]
+    if runtimes is not None:
+        lines += ["", *render_runtimes(runtimes)]
     return "\n".join(lines)
 
 
-def why(top: Prediction, best: list[Prediction]) -> str:
-    """One sentence comparing the winner with the runner-up."""
-    if len(best) < 2:
+def render_runtimes(runtimes: dict) -> list[str]:
+    lines = ["by runtime: the fastest plan each can run, from the same search",
+             f"  {'runtime':<17} {'plan':<68} {'MFU':>6} {'step s':>8} {'a2a exp':>8}"]
+    for name in RUNNERS:
+        r = runtimes[name]
+        p = r.prediction
+        if p is None:
+            lines.append(f"  {RUNTIME_NAMES[name]:<17} none: {r.why_none}")
+            continue
+        label = describe(p.plan) + (" *" if r.reshaped else "")
+        lines.append(f"  {RUNTIME_NAMES[name]:<17} {label:<68} {100 * p.rate.mfu:5.1f}% {p.time.step:8.3f} "
+                     f"{100 * _a2a_share(p):7.1f}%")
+    if any(runtimes[name].reshaped for name in RUNNERS):
+        lines.append("  * the shared expert runs after the routed experts (this runtime cannot overlap it with the "
+                     "exchange), re-timed so")
+    for _, title, piper, stock in FRAMEWORKS:
+        speedup, note = compare(runtimes[piper], runtimes[stock])
+        lines.append(f"  {title}: {note}")
+    return lines
+
+
+def why(leading: list[Prediction], ranked: list) -> str:
+    """One sentence comparing the winner with the runner-up of the whole search, naming the rule of
+    the search's ranking (:data:`piper_core.scheduler.search.RANK_RULES`) that decided."""
+    if len(leading) < 2 or len(ranked) < 2:
         return "the only feasible plan"
-    second = best[1]
-    gain = 100 * (second.time.step / top.time.step - 1)
-    diffs = [f"{k}={getattr(top.plan, k)} vs {getattr(second.plan, k)}"
-             for k in ("tp", "pp", "vpp", "cp", "ep", "etp_size", "micro_batch_size", "recompute",
-                       "distributed_optimizer", "grad_reduce_in_bf16", "optimizer_offload_fraction", "a2a",
-                       "a2a_chunks") if getattr(top.plan, k) != getattr(second.plan, k)]
-    what = ", ".join(diffs) or "same sizes"
-    if gain >= 0.05:
-        return f"{gain:.1f}% faster than the runner-up ({what})"
-    saved = (second.peak_stage.total - top.peak_stage.total) / GIB
-    if saved > 0.005:
+    top, second = leading[0], leading[1]
+    what = _differences(top.plan, second.plan) or "same sizes"
+    rule = deciding_rule(ranked[0], ranked[1])
+    if rule == 0:
+        gain = 100 * (second.time.step / top.time.step - 1)
+        return f"{gain:.1f}% faster than the runner-up ({what})" if gain >= 0.05 else \
+            f"{gain:.3g}% faster than the runner-up ({what})"
+    if rule == 1:
+        saved = (second.peak_stage.total - top.peak_stage.total) / GIB
         return f"as fast as the runner-up and {saved:.2f} GiB lighter per GPU ({what})"
-    return f"as fast and as heavy as the runner-up; preferred for fewer model-parallel ranks ({what})"
+    if rule is None:
+        return f"as fast, as heavy and as simple as the runner-up; the search's order decided ({what})"
+    a, b = top.plan, second.plan
+    name, value = {2: ("tp*pp*cp*vpp", lambda p: p.tp * p.pp * p.cp * p.virtual_stages),
+                   3: ("ep*etp", lambda p: p.ep * p.etp_size), 4: ("a2a", lambda p: p.a2a),
+                   5: ("a2a_chunks", lambda p: p.a2a_chunks), 6: ("ep_comm_overlap", lambda p: p.ep_comm_overlap),
+                   7: ("recompute", lambda p: p.recompute), 8: ("micro_batch_size", lambda p: p.micro_batch_size)}[rule]
+    detail = f"{name} {value(a)} vs {value(b)}; " if rule in (2, 3) else ""
+    return f"as fast and as heavy as the runner-up; the tie goes to {RANK_RULES[rule]} ({detail}{what})"

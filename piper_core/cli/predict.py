@@ -14,7 +14,7 @@ HELP_PARALLEL = ("comma-separated key=value: tp, pp, vpp, ep, etp, cp, sp (0/1),
                  "recompute (none|selective|full), recompute_method (uniform|block), recompute_layers, "
                  "dist_opt (0/1), grad_bf16 (0/1), offload (optimizer offload fraction 0..1), precision (bf16|fp16), "
                  "attention (flash|unfused), a2a "
-                 "(flat|hierarchical|pipelined), chunks, first_stage_layers, last_stage_layers")
+                 "(flat|hierarchical), chunks (N > 1 pipelines the exchange), shx (shared expert overlap), epov (Megatron's EP overlap), first_stage_layers, last_stage_layers")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -3,7 +3,7 @@
 Each raw combination is first checked with cheap structural rules (Megatron's divisibility
 rules, in the order below, the first failure being the reason); survivors become a
 ``ParallelPlan``, their memory is predicted once, and the all-to-all variants share it and are
-timed separately. A candidate the resource model finds infeasible (``Infeasible``: a rule of the
+timed separately (re-pricing only their MoE layers, :class:`ExchangeVariants`). A candidate the resource model finds infeasible (``Infeasible``: a rule of the
 host framework the structural checks do not cover) is rejected with its reason like any other; it
 never ends the search. Plans are ranked by predicted tokens/s (equivalently MFU) and, at equal speed,
 by lower peak memory.
@@ -12,20 +12,25 @@ by lower peak memory.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import operator
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from piper_core.errors import Infeasible, SpecError
-from piper_core.resource.memory import GIB, stage_memory, with_state_of
+from piper_core.resource import activations
+from piper_core.resource.memory import GIB, _state_bytes, stage_memory
+from piper_core.resource.params import stage_params
 from piper_core.resource.predict import Prediction, predict
-from piper_core.scheduler.space import SearchSpace, default_space, grid, pipeline_split
+from piper_core.scheduler.space import UNPIPELINED, A2AVariant, SearchSpace, default_space, pipeline_split
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.compat import check_plan
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
-from piper_core.timing.step import step_time
+from piper_core.specs._check import freeze_hash
+from piper_core.timing.step import ExchangeVariants, step_time
 
 RETIME = 16
 _PLAN_FIELDS = tuple(f for f in dataclasses.fields(ParallelPlan) if f.init)
@@ -66,7 +71,7 @@ class SearchResult:
 def _rank_key(s: Scored) -> tuple:
     p = s.plan
     simplicity = (p.tp * p.pp * p.cp * (p.vpp or 1), p.ep * p.etp_size, p.a2a != "flat", p.a2a_chunks,
-                  p.recompute != "none", p.micro_batch_size)
+                  p.ep_comm_overlap, p.recompute != "none", p.micro_batch_size)
     return (round(math.log(s.step_s) * 1e6), s.peak_bytes, simplicity)
 
 
@@ -99,7 +104,7 @@ def _structural(model: ModelSpec, gpus: int, gbs: int, combo: tuple,
     kwargs = dict(gpus=gpus, tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, cp=cp, ep=ep, etp=etp,
                   sequence_parallel=tp > 1 and sequence_parallel, micro_batch_size=mbs, global_batch_size=gbs,
                   recompute=recompute, recompute_num_layers=1 if recompute == "full" else None,
-                  distributed_optimizer=dist_opt,
+                  distributed_optimizer=dist_opt, shared_expert_overlap=bool(model.moe_shared_expert_intermediate_size),
                   num_layers_in_last_pipeline_stage=last)
     return kwargs, None
 
@@ -110,61 +115,127 @@ def search(model: ModelSpec, cluster: ClusterSpec, gpus: int, gbs: int, *, space
 
     ``memory_headroom`` is the fraction of capacity kept free (0.1: plans must fit in 90 %).
     ``progress(done, total)`` is called now and then for a progress bar.
+
+    Every candidate is evaluated -- nothing is pruned, the counts and the scored list are complete
+    and in the grid's order -- but work that candidates share is done once: a structural rule
+    rejects all recompute and optimizer options of a combination at once (they enter no rule); the
+    exchange variants of a base plan share its memory and all of its step time but the MoE layer
+    cost (:class:`ExchangeVariants`), and layer costs and the other step-time terms are memoised for
+    the whole search; two plans that differ only in the distributed optimizer share their checks and
+    activations (:class:`_Memory`).
     """
     space = space or default_space(model, cluster, gpus)
     limit = cluster.capacity_gib * GIB * (1.0 - memory_headroom)
     result, start = SearchResult(), time.perf_counter()
-    combos = list(grid(space))
-    for n, combo in enumerate(combos):
-        tp, ep, etp_is_tp = combo[0], combo[4], combo[5]
-        if etp_is_tp and tp == 1:
+    # grid(space)'s order: the first seven dimensions outside, recompute and optimizer inside
+    outer = list(itertools.product(space.tp, space.pp, space.vpp, space.cp, space.ep, space.etp_equals_tp, space.mbs))
+    inner = list(itertools.product(space.recompute, space.distributed_optimizer))
+    total = len(outer) * len(inner)
+    cache: dict = {}  # step-time terms shared by this search's plans (ExchangeVariants)
+    checked: set = set()  # variants built once through ParallelPlan's checks (see _score)
+    memory = _Memory(model, cluster, space, limit)
+    variants_of: dict[tuple, tuple[A2AVariant, ...]] = {}
+    scored, rejected = result.scored, result.rejected
+    for n, prefix in enumerate(outer):
+        if progress and n % 64 == 0:
+            progress(n * len(inner), total)
+        tp, etp_is_tp = prefix[0], prefix[5]
+        if (etp_is_tp and tp == 1) or not inner:
             continue  # the same plan as etp=1
-        variants = space.a2a if ep > 1 else (("flat", 1),)
-        result.candidates += len(variants)
-        kwargs, reason = _structural(model, gpus, gbs, combo, space.sequence_parallel)
-        if kwargs is None:
-            result.rejected[reason] += len(variants)
+        combos = []
+        for rest in inner:
+            combo = prefix + rest
+            key = (combo[1], combo[2], combo[4], combo[7])
+            variants = variants_of.get(key)
+            if variants is None:
+                variants = variants_of[key] = _variants(space, combo)
+            combos.append((combo, variants))
+        kwargs, reason = _structural(model, gpus, gbs, combos[0][0], space.sequence_parallel)
+        if kwargs is None:  # the rules read only the first seven dimensions: all of inner fail alike
+            k = sum(len(v) for _, v in combos)
+            result.candidates += k
+            rejected[reason] += k
             continue
-        kwargs["attention_backend"] = attention_backend
-        try:
-            base = ParallelPlan(**kwargs)
-            check_plan(model, base)
-        except SpecError as exc:
-            result.rejected[f"invalid {exc.key}"] += len(variants)
-            continue
-        try:
-            base, peak, reason = _fit(model, cluster, base, space, limit)
-            scored = [] if base is None else [_score(model, cluster, base, peak, v) for v in variants]
-        except Infeasible as exc:  # a host-framework rule the structural checks do not know
-            base, reason = None, exc.reason
-        if base is None:
-            result.rejected[reason] += len(variants)
-            continue
-        result.scored += scored
-        if progress and n % 256 == 0:
-            progress(n, len(combos))
+        checked_base: tuple = (None, None, None)  # (combo without dist_opt, plan, error key)
+        for combo, variants in combos:
+            result.candidates += len(variants)
+            same = combo[:-1]
+            if checked_base[0] == same:
+                # neither ParallelPlan's checks nor check_plan read the distributed optimizer (only an
+                # optimizer offload does, and a base has none): the twin passes or fails alike
+                _, twin, error = checked_base
+                base = None if twin is None else _copy(twin, distributed_optimizer=combo[8])
+            else:
+                kwargs, _ = _structural(model, gpus, gbs, combo, space.sequence_parallel)
+                kwargs["attention_backend"] = attention_backend
+                try:
+                    base, error = ParallelPlan(**kwargs), None
+                    check_plan(model, base)
+                except SpecError as exc:
+                    base, error = None, exc.key
+                checked_base = (same, base, error)
+            if base is None:
+                rejected[f"invalid {error}"] += len(variants)
+                continue
+            try:
+                base, peak, reason = memory.fit(combo, base)
+                if base is not None:
+                    timer = ExchangeVariants(model, base, cluster, cache)
+                    scored += [_score(model, cluster, base, peak, v, timer=timer, checked=checked) for v in variants]
+            except Infeasible as exc:  # a host-framework rule the structural checks do not know
+                base, reason = None, exc.reason
+            if base is None:
+                rejected[reason] += len(variants)
     if progress:
-        progress(len(combos), len(combos))
+        progress(total, total)
     _retime(model, cluster, result)
     result.elapsed_s = time.perf_counter() - start
     return result
 
 
-def _score(model: ModelSpec, cluster: ClusterSpec, base: ParallelPlan, peak: int, variant: tuple[str, int]) -> Scored:
-    """``base`` with the all-to-all ``variant`` (algorithm, chunks), timed by the closed form."""
-    plan = base if variant == ("flat", 1) else _with_a2a(base, *variant)
-    return Scored(plan=plan, step_s=step_time(model, plan, cluster, exact=False).step, peak_bytes=peak)
+def _variants(space: SearchSpace, combo: tuple) -> tuple[A2AVariant, ...]:
+    """The exchange variants of a combination: none but the plain one without expert parallelism;
+    Megatron's EP overlap only where its rules allow it (vpp when pp > 1, no full recompute)."""
+    _, pp, vpp, _, ep, _, _, recompute, _ = combo
+    if ep == 1:
+        return (UNPIPELINED,)
+    overlap_ok = (pp == 1 or vpp > 1) and recompute != "full"
+    return tuple(v for v in space.a2a if not v[2] or overlap_ok)
+
+
+def _score(model: ModelSpec, cluster: ClusterSpec, base: ParallelPlan, peak: int, variant: A2AVariant, *,
+           timer: ExchangeVariants | None = None, checked: set | None = None) -> Scored:
+    """``base`` with the all-to-all ``variant`` (algorithm, chunks, EP overlap), timed by the closed form.
+
+    ``timer`` (the base's :class:`ExchangeVariants`) gives the same closed form re-pricing only the
+    MoE layers. ``checked`` (a set kept for one search) holds the variants already built once through
+    ParallelPlan's checks: the fields a variant changes are checked on their first use, and the rules
+    that tie them to the rest of the plan (EP overlap: ep > 1, vpp where pp > 1, no full recompute)
+    are those :func:`_variants` applies, so later bases take an unchecked copy (the same plan).
+    """
+    if variant == UNPIPELINED:
+        plan = base
+    elif checked is None or variant not in checked:
+        plan = _with_a2a(base, *variant)
+        if checked is not None:
+            checked.add(variant)
+    else:
+        plan = _copy_a2a(base, *variant)
+    step = step_time(model, plan, cluster, exact=False).step if timer is None else timer.step(plan)
+    return Scored(plan=plan, step_s=step, peak_bytes=peak)
 
 
 def _retime(model: ModelSpec, cluster: ClusterSpec, result: SearchResult) -> None:
     """Re-time the leading plans with the exact 1F1B simulation.
 
-    The closed form the loop uses is an upper bound that is exact when the last pipeline stage is
-    the slowest, so a plan can only move up: the ``RETIME`` best by the bound are simulated and
-    the list is re-ranked.
+    The closed form the loop uses is an upper bound that is exact when the last stage is the
+    slowest, so a plan can only move up: the ``RETIME`` best by the bound are simulated and
+    the list is re-ranked. Plans without a simulated schedule (pp = 1, or interleaved: the closed
+    form is what ``step_time`` gives them) keep their time.
     """
     ranked = sorted(result.scored, key=_rank_key)
-    head = [dataclasses.replace(s, step_s=step_time(model, s.plan, cluster).step) for s in ranked[:RETIME]]
+    head = [dataclasses.replace(s, step_s=step_time(model, s.plan, cluster).step) if _simulated(s.plan) else s
+            for s in ranked[:RETIME]]
     result.scored = head + ranked[RETIME:]
 
 
@@ -174,32 +245,213 @@ def _with(plan: ParallelPlan, **changes) -> ParallelPlan:
     return ParallelPlan(**kwargs)
 
 
-def _with_a2a(plan: ParallelPlan, algo: str, chunks: int) -> ParallelPlan:
+def _with_a2a(plan: ParallelPlan, algo: str, chunks: int, ep_overlap: bool = False) -> ParallelPlan:
+    if ep_overlap:  # Megatron refuses its shared-expert overlap beside its EP overlap
+        return _with(plan, a2a=algo, a2a_chunks=chunks, ep_comm_overlap=True, shared_expert_overlap=False)
     return _with(plan, a2a=algo, a2a_chunks=chunks)
 
 
-def _fit(model: ModelSpec, cluster: ClusterSpec, plan: ParallelPlan, space: SearchSpace,
-         limit: float) -> tuple[ParallelPlan | None, int, str]:
-    """The plan with the first memory saver that fits GPU and host memory, or the last reason."""
-    host_limit = cluster.host_capacity_gib * GIB
-    reason = MEMORY
-    plain = stage_memory(model, plan, cluster)
-    for bf16_grads, offload in space.memory_savers:
-        if offload > 0 and (not plan.distributed_optimizer or host_limit == 0):
+_SLOTS = tuple(f.name for f in _PLAN_FIELDS)
+
+
+def _copy(plan: ParallelPlan, **changes) -> ParallelPlan:
+    """What :func:`_with` returns, without ParallelPlan's checks: for changes already checked on
+    another plan of the search whose other fields they do not interact with. Its stored hash is
+    ``freeze_hash``'s (the hash of the compared fields in order)."""
+    values = list(_ALL_FIELDS(plan))
+    for name, value in changes.items():
+        values[_INDEX[name]] = value
+    new = object.__new__(type(plan))
+    for slot, value in zip(_SLOT_SETTERS, values):
+        slot(new, value)
+    if _HASHED == _SLOTS:
+        _HASH_SETTER(new, hash(tuple(values)))
+    else:
+        freeze_hash(new)
+    return new
+
+
+_ALL_FIELDS = operator.attrgetter(*_SLOTS)
+_INDEX = {name: i for i, name in enumerate(_SLOTS)}
+_SLOT_SETTERS = tuple(getattr(ParallelPlan, name).__set__ for name in _SLOTS)
+_HASHED = tuple(f.name for f in dataclasses.fields(ParallelPlan) if f.compare)
+_HASH_SETTER = ParallelPlan._hash.__set__
+
+
+def _copy_a2a(plan: ParallelPlan, algo: str, chunks: int, ep_overlap: bool = False) -> ParallelPlan:
+    """What :func:`_with_a2a` returns, without ParallelPlan's checks (for a variant already checked)."""
+    if ep_overlap:
+        return _copy(plan, a2a=algo, a2a_chunks=chunks, ep_comm_overlap=True, shared_expert_overlap=False)
+    return _copy(plan, a2a=algo, a2a_chunks=chunks)
+
+
+class _Memory:
+    """Memory fit of the search's base plans: :meth:`fit` gives the plan with the first memory saver
+    of ``space.memory_savers`` that fits GPU memory (peak <= limit) and the hosts' memory (the
+    offloaded optimizer), its peak bytes, or the last reason none does ("exceeds memory", or
+    "offloaded optimizer exceeds host memory" when a saver fit the GPU but not the host). Savers only
+    ever cost time, so a plan uses one only when it does not fit without it (offload needs the
+    distributed optimizer and host memory in the cluster spec; bf16 gradients need bf16).
+
+    The outcome is that of pricing each plan from scratch (``stage_memory``, ``with_state_of``; the
+    tests compare the two), with what combinations share computed once. A plan's memory is its state
+    (weights, gradients, optimizer: ``with_state_of`` re-prices it for a memory saver) plus what the
+    state does not move (activations, buffers, overhead). In the grid's order (``space.grid``) the last
+    dimension, the distributed optimizer, moves only the state, so the
+    second of two such plans reuses the first's activations; micro-batch size and recompute move only
+    the activations, so plans differing in them share the state of each memory saver. And when the
+    state alone exceeds the limit under every saver, the plan is rejected for memory without pricing
+    its activations (which only add to it) -- after the activation model's own feasibility check,
+    so that a plan it refuses keeps its reason.
+    """
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, limit: float) -> None:
+        self.model, self.cluster, self.space, self.limit = model, cluster, space, limit
+        self.host_limit = cluster.host_capacity_gib * GIB
+        self.rest: tuple = (None, None)  # (combo without dist_opt, ((params, activations+buffers+overhead), ...))
+        self.states: dict = {}  # (state key, saver) -> {params: (weights+gradients+optimizer, host)}
+        self.checked: set = set()  # savers built once through ParallelPlan's checks
+        self.probed: tuple | None = None  # the last combo (without dist_opt) whose activations were checked
+
+    def _savers(self, plan: ParallelPlan) -> list[tuple[bool, float]]:
+        """The memory savers that apply to ``plan``, in the space's order."""
+        out = []
+        for bf16_grads, offload in self.space.memory_savers:
+            if offload > 0 and (not plan.distributed_optimizer or self.host_limit == 0):
+                continue
+            if bf16_grads and plan.precision != "bf16":
+                continue
+            out.append((bf16_grads, offload))
+        return out
+
+    def _candidate(self, plan: ParallelPlan, saver: tuple[bool, float]) -> ParallelPlan:
+        if saver == (False, 0.0):
+            return plan
+        bf16_grads, offload = saver
+        if saver not in self.checked:  # the saver's own fields, checked once (their ties: _savers)
+            self.checked.add(saver)
+            return _with(plan, grad_reduce_in_bf16=bf16_grads, optimizer_offload_fraction=offload)
+        return _copy(plan, grad_reduce_in_bf16=bf16_grads, optimizer_offload_fraction=offload)
+
+    def _state(self, combo: tuple, plan: ParallelPlan, saver: tuple[bool, float]) -> dict:
+        # the state of a pipeline rank depends on its parameters and the plan's sizes and options,
+        # not on the micro-batch size or recompute (combo[6], combo[7])
+        key = (combo[:6], combo[8], saver)
+        state = self.states.get(key)
+        if state is None:
+            candidate = self._candidate(plan, saver)
+            state = {}
+            for params in stage_params(self.model, plan):
+                if params not in state:
+                    weights, grads, optimizer, host = _state_bytes(params, candidate)
+                    state[params] = (weights + grads + optimizer, host)
+            self.states[key] = state
+        return state
+
+    def fit(self, combo: tuple, plan: ParallelPlan) -> tuple[ParallelPlan | None, int, str]:
+        savers = self._savers(plan)
+        same = combo[:-1]
+        if self.rest[0] == same:
+            rest = self.rest[1]
+        else:
+            if all(max(w for w, _ in self._state(combo, plan, saver).values()) > self.limit
+                   for saver in reversed(savers)):
+                if self.probed != same:  # the twin's activations are the same (see above)
+                    activations.layer_activation_bytes(self.model, plan, moe=False)  # raises what stage_memory would
+                    self.probed = same
+                return None, 0, MEMORY
+            stages = stage_memory(self.model, plan, self.cluster)
+            rest = tuple(dict.fromkeys((s.params, s.activations + s.buffers + s.overhead) for s in stages))
+            self.rest = (same, rest)
+        reason = MEMORY
+        for saver in savers:
+            state = self._state(combo, plan, saver)
+            peak = max(r + state[params][0] for params, r in rest)
+            if peak > self.limit:
+                continue
+            if max(state[params][1] for params, _ in rest) * self.cluster.gpus_per_node > self.host_limit:
+                reason = HOST_MEMORY
+                continue
+            return self._candidate(plan, saver), peak, ""
+        return None, 0, reason
+
+
+RANK_RULES = ("faster", "lower peak memory", "fewer model-parallel ranks", "fewer expert-parallel ranks",
+              "a flat exchange (not hierarchical)", "fewer exchange chunks", "no Megatron EP overlap", "no recompute",
+              "a smaller micro-batch")
+
+
+def deciding_rule(first: Scored, second: Scored) -> int | None:
+    """Index into :data:`RANK_RULES` of the rule of :func:`_rank_key` that puts ``first`` before
+    ``second`` (None: their keys are equal and the grid's order decided)."""
+    a, b = _rank_key(first), _rank_key(second)
+    for i, (x, y) in enumerate(zip((a[0], a[1], *a[2]), (b[0], b[1], *b[2]))):
+        if x != y:
+            return i
+    return None
+
+
+def as_run_by(plan: ParallelPlan, rule) -> ParallelPlan | None:
+    """``plan`` as a runtime whose ``rule`` (:data:`piper_core.runners.RUNNERS`) it is would run it: as
+    it is, or -- when only the shared expert's overlap with the exchange is out of its reach -- with
+    the shared expert after the routed experts (as Piper's DeepSpeed model runs it); None if neither."""
+    if rule(plan) is None:
+        return plan
+    if plan.shared_expert_overlap and not plan.ep_comm_overlap:
+        plain = _copy(plan, shared_expert_overlap=False)  # always a valid plan: the overlap only hides time
+        if rule(plain) is None:
+            return plain
+    return None
+
+
+def why_not_runnable(plan: ParallelPlan, rule) -> str | None:
+    """Why a runtime cannot run ``plan`` even as :func:`as_run_by` would reshape it (None: it can)."""
+    if as_run_by(plan, rule) is not None:
+        return None
+    if plan.shared_expert_overlap and not plan.ep_comm_overlap:
+        return rule(_copy(plan, shared_expert_overlap=False))
+    return rule(plan)
+
+
+def best_runnable(model: ModelSpec, cluster: ClusterSpec, result: SearchResult, rule, *,
+                  ranked: list[Scored] | None = None, exact: dict | None = None) -> Scored | None:
+    """The best plan of the search that a runtime can run (``rule(plan)`` is None; see :func:`as_run_by`),
+    ranked as the search ranks its own list: by the closed form, the ``RETIME`` leading ones re-timed
+    by the exact schedule. No second search: the scored plans are filtered; a plan run without its
+    shared-expert overlap is re-timed, and as that overlap only hides time, a plan's search time bounds
+    it from below, so the scan stops once no later plan can enter the leading ``RETIME``.
+
+    ``ranked``: ``result.best(result.feasible)`` when the caller has it; ``exact``: a dict of exact step
+    times by plan, shared between calls.
+    """
+    ranked = result.best(result.feasible) if ranked is None else ranked
+    exact = {} if exact is None else exact
+    head: list[tuple[float, Scored]] = []  # (closed form, plan as run), the RETIME best so far
+    for s in ranked:
+        if len(head) >= RETIME and s.step_s > head[-1][0] * (1 + 1e-5):
+            break  # s.step_s <= its closed form <= that of its as-run plan; later plans are slower still
+        plan = as_run_by(s.plan, rule)
+        if plan is None:
             continue
-        if bf16_grads and plan.precision != "bf16":
-            continue
-        candidate = plan if (bf16_grads, offload) == (False, 0.0) else _with(
-            plan, grad_reduce_in_bf16=bf16_grads, optimizer_offload_fraction=offload)
-        stages = plain if candidate is plan else with_state_of(plain, candidate)
-        peak = max(s.total for s in stages)
-        if peak > limit:
-            continue
-        if max(s.host for s in stages) * cluster.gpus_per_node > host_limit:
-            reason = HOST_MEMORY
-            continue
-        return candidate, peak, ""
-    return None, 0, reason
+        closed = step_time(model, plan, cluster, exact=False).step if plan is not s.plan or _simulated(plan) \
+            else s.step_s
+        head.append((closed, Scored(plan=plan, step_s=closed, peak_bytes=s.peak_bytes)))
+        head.sort(key=lambda e: _rank_key(e[1]))
+        del head[RETIME:]
+    best = None
+    for _, s in head:
+        if _simulated(s.plan):
+            if s.plan not in exact:
+                exact[s.plan] = step_time(model, s.plan, cluster).step
+            s = dataclasses.replace(s, step_s=exact[s.plan])
+        if best is None or _rank_key(s) < _rank_key(best):
+            best = s
+    return best
+
+
+def _simulated(plan: ParallelPlan) -> bool:
+    """Whether ``step_time`` simulates the plan's schedule (else its exact time is the closed form)."""
+    return plan.pp > 1 and plan.vpp is None
 
 
 def best_predictions(model: ModelSpec, cluster: ClusterSpec, result: SearchResult, k: int) -> list[Prediction]:

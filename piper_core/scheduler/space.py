@@ -11,8 +11,11 @@ from piper_core.errors import divisors
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
 
-A2A_CHOICES: tuple[tuple[str, int], ...] = (("flat", 1), ("hierarchical", 1), ("pipelined", 2), ("pipelined", 4),
-                                            ("pipelined", 8))
+A2AVariant = tuple[str, int, bool]  # (algorithm, chunks, Megatron's EP overlap)
+CHUNK_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
+A2A_CHOICES: tuple[A2AVariant, ...] = tuple((a, c, False) for a in ("flat", "hierarchical") for c in CHUNK_CHOICES) \
+    + (("flat", 1, True),)
+UNPIPELINED: A2AVariant = ("flat", 1, False)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -22,7 +25,9 @@ class SearchSpace:
     ``memory_savers`` are (grad_reduce_in_bf16, optimizer_offload_fraction) pairs tried in order for
     each combination, the first that fits being kept: they only ever cost time, so a plan uses
     one only when it does not fit without it (offload needs the distributed optimizer and host
-    memory in the cluster spec). ``sequence_parallel``: whether plans with tp > 1 use sequence
+    memory in the cluster spec). ``a2a``: the exchange variants tried for every plan with ep > 1
+    (algorithm x pipeline chunks, and Megatron's EP overlap where its rules allow it); a model with a
+    shared expert overlaps it with the exchange wherever Megatron allows (it only hides time). ``sequence_parallel``: whether plans with tp > 1 use sequence
     parallelism (Megatron-Core needs it for MoE with tp > 1, so False leaves MoE models at tp = 1).
     """
 
@@ -35,7 +40,7 @@ class SearchSpace:
     mbs: tuple[int, ...] = (1, 2, 4)
     recompute: tuple[str, ...] = ("none", "selective", "full")
     distributed_optimizer: tuple[bool, ...] = (True, False)
-    a2a: tuple[tuple[str, int], ...] = A2A_CHOICES
+    a2a: tuple[A2AVariant, ...] = A2A_CHOICES
     memory_savers: tuple[tuple[bool, float], ...] = ((False, 0.0), (True, 0.0), (True, 1.0))
     sequence_parallel: bool = True
 
@@ -62,7 +67,7 @@ def default_space(model: ModelSpec, cluster: ClusterSpec, gpus: int) -> SearchSp
         ep = [e for e in ep if e <= gpus]
     space = SearchSpace(tp=tuple(_powers_of_two(min(cluster.gpus_per_node, gpus))), pp=tuple(pp), ep=tuple(ep))
     if not model.is_moe:
-        space = SearchSpace(tp=space.tp, pp=space.pp, ep=(1,), etp_equals_tp=(True,), a2a=(("flat", 1),))
+        space = SearchSpace(tp=space.tp, pp=space.pp, ep=(1,), etp_equals_tp=(True,), a2a=(UNPIPELINED,))
     return space
 
 

@@ -44,6 +44,9 @@ def _check_moe(model: ModelSpec, plan: ParallelPlan) -> None:
     divides("etp", plan.etp_size, "moe_ffn_hidden_size", model.moe_ffn_hidden_size)
     if model.moe_shared_expert_intermediate_size:
         divides("tp", plan.tp, "moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size)
+    elif plan.shared_expert_overlap:
+        raise SpecError("shared_expert_overlap", True, f"{model.name} has no shared expert to overlap",
+                        "set shared_expert_overlap=false")
     # megatron.training.arguments.validate_args: MoE with tp > 1 needs sequence parallelism.
     if plan.tp > 1 and not plan.sequence_parallel:
         raise SpecError("sequence_parallel", False, f"MoE with tp={plan.tp} > 1 requires sequence parallelism "

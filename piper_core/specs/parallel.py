@@ -8,6 +8,7 @@ Rules and messages here are the plan-only ones; rules that need the model live i
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,7 +16,24 @@ from piper_core.errors import SpecError
 from piper_core.specs._check import freeze_hash, literals, divides, positive
 
 Recompute = Literal["none", "selective", "full"]
-A2AAlgorithm = Literal["flat", "hierarchical", "pipelined"]
+A2AAlgorithm = Literal["flat", "hierarchical"]
+LEGACY_PIPELINED = "pipelined"
+
+
+def read_a2a(a2a: str, chunks: int | str | None, *, where: str) -> tuple[str, int | str | None, str | None]:
+    """Read an exchange setting written before the algorithm and the chunk count were independent.
+
+    ``a2a="pipelined"`` meant flat exchanges in ``chunks`` (>= 2) pipelined chunks; it is read as
+    ``a2a="flat"`` with the same chunks, and the returned note (None for current settings) says so,
+    naming ``where`` the setting came from. Chunks may be an int, ``"tune"``/``"auto"`` (adapters) or None.
+    """
+    if a2a != LEGACY_PIPELINED:
+        return a2a, chunks, None
+    note = (f"{where}: a2a 'pipelined' is read as a2a 'flat' with {chunks if chunks is not None else 'its'} "
+            "chunks; the exchange algorithm (flat|hierarchical) and the chunk count are independent now, so "
+            "write the algorithm and the chunks separately (a hierarchical exchange can be pipelined too)")
+    warnings.warn(note, FutureWarning, stacklevel=3)
+    return "flat", chunks, note
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,6 +66,8 @@ class ParallelPlan:
     attention_backend: Literal["flash", "unfused"] = "flash"
     a2a: A2AAlgorithm = "flat"
     a2a_chunks: int = 1
+    shared_expert_overlap: bool = False
+    ep_comm_overlap: bool = False
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
 
@@ -58,6 +78,11 @@ class ParallelPlan:
 
     def __post_init__(self) -> None:
         freeze_hash(self)
+        if self.a2a == LEGACY_PIPELINED:
+            raise SpecError("a2a", self.a2a, "is no longer an exchange algorithm: the algorithm (flat|hierarchical) "
+                            "and the pipeline chunks (a2a_chunks) are independent",
+                            f"write a2a=flat, a2a_chunks={self.a2a_chunks} (or hierarchical), or read old "
+                            "settings with piper_core.specs.parallel.read_a2a")
         literals(self)
         for key in ("gpus", "tp", "pp", "ep", "cp", "micro_batch_size", "global_batch_size", "a2a_chunks"):
             positive(key, getattr(self, key))
@@ -101,9 +126,32 @@ class ParallelPlan:
         if self.grad_reduce_in_bf16 and self.precision != "bf16":
             raise SpecError("grad_reduce_in_bf16", True, f"needs precision bf16 (got {self.precision})",
                             "set precision=bf16 or grad_reduce_in_bf16=false")
-        if self.a2a != "pipelined" and self.a2a_chunks != 1:
-            raise SpecError("a2a_chunks", self.a2a_chunks, f"chunks apply only to a2a=pipelined (got a2a={self.a2a})",
-                            "set a2a=pipelined or a2a_chunks=1")
+        if self.ep_comm_overlap:
+            self._check_ep_comm_overlap()
+
+    def _check_ep_comm_overlap(self) -> None:
+        """Megatron-Core 0.16's rules for ``overlap_moe_expert_parallel_comm`` (TransformerConfig)."""
+        rules = ((self.ep == 1, "ep", self.ep, "needs expert parallelism (ep > 1)", "raise ep"),
+                 (self.pp > 1 and self.vpp is None, "vpp", None, "needs interleaving (vpp) when pp > 1",
+                  "set vpp, or pp=1"),
+                 (self.recompute == "full", "recompute", "full", "cannot run with full recompute",
+                  "use recompute none or selective"),
+                 (self.shared_expert_overlap, "shared_expert_overlap", True, "is refused by Megatron together "
+                  "with ep_comm_overlap", "set shared_expert_overlap=false"),
+                 (self.a2a != "flat" or self.a2a_chunks != 1, "a2a", f"{self.a2a}/{self.a2a_chunks}",
+                  "Megatron's overlap runs its own (stock, flat, one-chunk) dispatcher",
+                  "set a2a=flat, a2a_chunks=1, or drop ep_comm_overlap and pipeline with Piper's chunks"))
+        for broken, key, value, rule, fix in rules:
+            if broken:
+                raise SpecError(key, value, f"ep_comm_overlap (--overlap-moe-expert-parallel-comm) {rule}", fix)
+
+    @staticmethod
+    def read_legacy(data: dict, where: str) -> dict:
+        """``data`` (keys of this class) with a pre-0.x ``a2a: pipelined`` read by :func:`read_a2a`."""
+        if data.get("a2a") != LEGACY_PIPELINED:
+            return data
+        a2a, _, _ = read_a2a(data["a2a"], data.get("a2a_chunks"), where=where)
+        return {**data, "a2a": a2a}
 
     @property
     def dp(self) -> int:

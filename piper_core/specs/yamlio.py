@@ -87,6 +87,8 @@ def from_dict(cls: type[T], data: dict[str, Any], *, where: str = "<dict>", pref
     """Build dataclass ``cls`` from ``data``; unknown keys name the nearest valid key."""
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = get_type_hints(cls)
+    legacy = getattr(cls, "read_legacy", None)  # settings written by older versions, read with a warning
+    data = data if legacy is None else legacy(data, where)
     for key in data:
         if key not in fields:
             guess = nearest(str(key), fields)

@@ -40,16 +40,22 @@ def all_to_all_hierarchical(group: Group, nbytes: float, cluster: ClusterSpec) -
     off when the per-message latency of the outer links dominates (many nodes, small messages).
     The local regrouping copy costs one pass over the data in HBM.
     """
+    return sum(hierarchical_stages(group, nbytes, cluster))
+
+
+def hierarchical_stages(group: Group, nbytes: float, cluster: ClusterSpec) -> tuple[float, ...]:
+    """(intra-node stage with the regrouping copy, inter-node stage) of :func:`all_to_all_hierarchical`;
+    one stage (the flat exchange) when the group stays inside one domain."""
     shares = level_shares(group, cluster)
     if len(shares) < 2:
-        return all_to_all_flat(group, nbytes, cluster)
+        return (all_to_all_flat(group, nbytes, cluster),)
     inner = shares[0].peers + 1
     stage1 = all_to_all_flat(Group(name=group.name + "-intra", size=inner, stride=group.stride), nbytes, cluster)
     outer = Group(name=group.name + "-inter", size=group.size // inner, stride=group.stride * inner)
     stage2 = all_to_all_flat(outer, nbytes, cluster)
     acc = cluster.accelerator
     copy = 2 * nbytes / (acc.hbm_gb_per_s * 1e9 * acc.hbm_efficiency)
-    return stage1 + stage2 + copy
+    return stage1 + copy, stage2
 
 
 def ring(group: Group, nbytes: float, cluster: ClusterSpec, *, passes: int = 1) -> float:

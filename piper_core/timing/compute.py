@@ -55,6 +55,8 @@ class LayerShape:
     precision: str
     a2a: str
     chunks: int
+    shared_overlap: bool = False
+    ep_overlap: float = 0.0  # share of micro-batches whose exchanges Megatron's EP overlap hides
 
     def tokens_for(self, model: ModelSpec) -> int:
         """Tokens a tp rank's GEMMs see: the micro-batch's [s/cp, b] (gathered under SP)."""
@@ -124,10 +126,15 @@ def moe_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec, *, ch
     local = model.num_experts // shape.ep
     router = gemm_time(acc, "fp32", t_local, model.num_experts, model.hidden_size)
     permute = stream_time(acc, 2 * 2 * BYTES * received * model.hidden_size)  # permute + unpermute, r + w
-    shared = mlp_forward(model, shape, acc, shape.tokens_for(model), model.moe_shared_expert_intermediate_size, shape.tp)
+    shared = shared_expert_forward(model, shape, acc)
     experts = mlp_forward(model, shape, acc, per_expert / chunks, model.moe_ffn_hidden_size, shape.etp, count=local)
     norm = stream_time(acc, BYTES * t_local * 5 * model.hidden_size)  # pre-MLP norm + residual
     return router + permute + shared + norm, experts
+
+
+def shared_expert_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec) -> float:
+    """The shared expert's forward (0 without one): a tp-split MLP over the micro-batch's tokens."""
+    return mlp_forward(model, shape, acc, shape.tokens_for(model), model.moe_shared_expert_intermediate_size, shape.tp)
 
 
 def dense_mlp_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec) -> float:

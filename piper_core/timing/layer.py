@@ -18,7 +18,7 @@ from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.timing import comm
 from piper_core.timing.compute import (BYTES, LayerShape, attention_forward, dense_mlp_forward, expert_tokens,
-                                       host_overhead_forward, moe_forward)
+                                       host_overhead_forward, moe_forward, shared_expert_forward)
 from piper_core.timing.topology import Group
 
 
@@ -45,9 +45,11 @@ class LayerCost:
 
 
 def shape_of(plan: ParallelPlan) -> LayerShape:
+    overlap = max(0, plan.num_microbatches - plan.pp) / plan.num_microbatches if plan.ep_comm_overlap else 0.0
     return LayerShape(tp=plan.tp, cp=plan.cp, ep=plan.ep, etp=plan.etp_size, sp=plan.sequence_parallel,
                       mbs=plan.micro_batch_size, recompute=plan.recompute, attention_backend=plan.attention_backend,
-                      precision=plan.precision, a2a=plan.a2a, chunks=plan.a2a_chunks)
+                      precision=plan.precision, a2a=plan.a2a, chunks=plan.a2a_chunks,
+                      shared_overlap=plan.shared_expert_overlap, ep_overlap=overlap)
 
 
 def _tp_comm(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, blocks: int) -> tuple[float, float]:
@@ -78,23 +80,45 @@ def _cp_comm(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, core: fl
     return fwd, max(0.0, 2 * (shape.cp - 1) * step - 2 * core)
 
 
-def _a2a_one_way(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, chunks: int) -> float:
-    """Dispatch (or combine) of one chunk over the ep group, plus the etp gather of what arrives."""
+Stage = tuple[str, float]  # (resource, seconds for one chunk)
+
+
+def _dispatch_stages(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, chunks: int) -> tuple[Stage, ...]:
+    """One chunk's dispatch as stages in order, each on the resource it keeps busy: a flat exchange
+    is one stage on the expert-parallel links (its levels run at once); a hierarchical one is an
+    intra-node stage then an inter-node stage; with etp > 1 the etp all-gather of what arrives
+    follows. The combine runs the same stages in reverse order."""
     _, received = expert_tokens(model, shape)
     sent = received / shape.etp
     group = Group(name="ep", size=shape.ep, stride=shape.etp)
     nbytes = sent * model.hidden_size * BYTES / chunks
-    algo = comm.all_to_all_hierarchical if shape.a2a == "hierarchical" else comm.all_to_all_flat
-    t = algo(group, nbytes, cluster)
+    if shape.a2a == "hierarchical":
+        stages = tuple(zip(("intra", "inter"), comm.hierarchical_stages(group, nbytes, cluster)))
+    else:
+        stages = (("ep-links", comm.all_to_all_flat(group, nbytes, cluster)),)
     if shape.etp > 1:
-        t += comm.ring(Group(name="etp", size=shape.etp, stride=1), received * model.hidden_size * BYTES / chunks, cluster)
-    return t
+        gathered = received * model.hidden_size * BYTES / chunks
+        stages += (("etp-links", comm.ring(Group(name="etp", size=shape.etp, stride=1), gathered, cluster)),)
+    return stages
 
 
-def _pipelined(dispatch: float, combine: float, expert_chunk: float, chunks: int) -> float:
-    """Three-stage pipeline (dispatch -> experts -> combine) over ``chunks`` chunks on one link:
-    first chunk's dispatch, then each step costs the slower of the experts and the link."""
-    return dispatch + expert_chunk + combine + (chunks - 1) * max(expert_chunk, dispatch + combine)
+def pipeline_time(stages: tuple[Stage, ...], chunks: int) -> float:
+    """Time for ``chunks`` chunks through ``stages`` (each chunk visits every stage in order), where
+    each resource serves one chunk at a time: the first chunk's pass through every stage, then one
+    more chunk per period of the busiest resource (the flow-shop bound; exact for one resource per
+    stage, a close lower bound when a resource serves several stages, as the links do for dispatch
+    and combine)."""
+    load: dict[str, float] = {}
+    for resource, t in stages:
+        load[resource] = load.get(resource, 0.0) + t
+    return sum(t for _, t in stages) + (chunks - 1) * max(load.values(), default=0.0)
+
+
+def _exchange_exposed(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, experts_chunk: float,
+                      chunks: int) -> float:
+    """Exposed exchange time of dispatch -> experts (``experts_chunk`` per chunk) -> combine."""
+    way = _dispatch_stages(model, shape, cluster, chunks)
+    return pipeline_time(way + (("experts", experts_chunk),) + way[::-1], chunks) - chunks * experts_chunk
 
 
 @functools.lru_cache(maxsize=4096)
@@ -111,27 +135,46 @@ def layer_cost(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, moe: b
         return _finish(shape, fwd=fwd, core=core, comm_f=tp_f + cp_f, comm_b=tp_b + cp_b,
                        bwd_compute=2 * (fwd - host) + acc.backward_overhead_factor * host)
     rest, experts = moe_forward(model, shape, acc)
-    chunks = shape.chunks if shape.a2a == "pipelined" else 1
+    chunks = shape.chunks
     blocks = 1 + (1 if model.moe_shared_expert_intermediate_size else 0)
     tp_f, tp_b = _tp_comm(model, shape, cluster, blocks=blocks)
-    one_way = _a2a_one_way(model, shape, cluster, 1)
-    if chunks == 1:
-        a2a_f, a2a_b, exp_f, exp_b = 2 * one_way, 2 * one_way, experts, 2 * experts
-    else:
-        _, exp_chunk = moe_forward(model, shape, acc, chunks=chunks)
-        way = _a2a_one_way(model, shape, cluster, chunks)
-        exp_f, exp_b = chunks * exp_chunk, 2 * chunks * exp_chunk
-        a2a_f = _pipelined(way, way, exp_chunk, chunks) - exp_f
-        a2a_b = _pipelined(way, way, 2 * exp_chunk, chunks) - exp_b
+    _, exp_chunk = moe_forward(model, shape, acc, chunks=chunks)
+    exp_f, exp_b = chunks * exp_chunk, 2 * chunks * exp_chunk
+    a2a_f = _exchange_exposed(model, shape, cluster, exp_chunk, chunks)
+    a2a_b = _exchange_exposed(model, shape, cluster, 2 * exp_chunk, chunks)
+    if shape.shared_overlap and chunks == 1:
+        # Megatron's --moe-shared-expert-overlap: the shared expert's forward computes while the
+        # forward exchanges are in flight (fc1 beside dispatch, fc2 beside combine, in Megatron-Core's
+        # alltoall dispatcher and in Piper's unpipelined one). Backward is priced unhidden: Piper's
+        # runtime overlaps the forward only, and Megatron's backward overlap rides on CUDA stream
+        # semantics not measured here. A pipelined exchange (chunks > 1) runs the shared expert after it.
+        a2a_f = max(0.0, a2a_f - shared_expert_forward(model, shape, acc))
     # the token counts go round the ep group before the dispatch (Megatron's preprocess, Piper's
     # exchange_counts): one small all-gather, latency-bound, forward only
     group = Group(name="ep", size=shape.ep, stride=shape.etp)
     a2a_f += comm.ring(group, shape.ep * model.num_experts * 8, cluster)
     host = host_overhead_forward(model, shape, acc, moe=True, chunks=chunks)
     fwd = attn_rest + core + rest + exp_f + host
+    bwd_compute = 2 * (attn_rest + core + rest) + exp_b + acc.backward_overhead_factor * host
+    if shape.ep_overlap:
+        a2a_f, a2a_b = _megatron_overlap(a2a_f, a2a_b, fwd + bwd_compute, shape.ep_overlap)
     cost = _finish(shape, fwd=fwd, core=core, comm_f=tp_f + cp_f, comm_b=tp_b + cp_b, a2a_f=a2a_f, a2a_b=a2a_b,
-                   bwd_compute=2 * (attn_rest + core + rest) + exp_b + acc.backward_overhead_factor * host)
+                   bwd_compute=bwd_compute)
+    one_way = sum(t for _, t in _dispatch_stages(model, shape, cluster, 1))
     return dataclasses.replace(cost, a2a_raw=one_way)
+
+
+def _megatron_overlap(a2a_f: float, a2a_b: float, compute: float, share: float) -> tuple[float, float]:
+    """Megatron-Core's EP overlap (``--overlap-moe-expert-parallel-comm``, ``--delay-wgrad-compute``)
+    runs one micro-batch's forward beside another's backward in the steady state of the schedule, so
+    a layer's exchanges (both directions) hide behind the paired layer's compute (forward and
+    backward, wgrad included); ``share`` of the micro-batches are in that steady state, the rest
+    (warm-up, cool-down) stay exposed. SM contention between the two streams is not modelled."""
+    total = a2a_f + a2a_b
+    if total <= 0:
+        return a2a_f, a2a_b
+    hidden = share * min(total, compute)
+    return a2a_f * (1 - hidden / total), a2a_b * (1 - hidden / total)
 
 
 def _finish(shape: LayerShape, *, fwd: float, core: float, comm_f: float, comm_b: float, a2a_f: float = 0.0,

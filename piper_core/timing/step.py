@@ -28,7 +28,7 @@ from piper_core.timing import comm
 from piper_core.timing.compute import BYTES, gemm_time, stream_time
 from piper_core.timing.compute import LayerShape
 from piper_core.timing.layer import LayerCost, layer_cost, shape_of
-from piper_core.timing.schedule import pipeline_time
+from piper_core.timing.schedule import closed_form, one_f_one_b_order, pass_parts, pipeline_time
 from piper_core.timing.topology import Group, dense_groups, expert_groups, slowest_link
 
 BUCKET_PARAMS = 40_000_000
@@ -84,30 +84,62 @@ def _logits(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> float
     return 3 * gemm + stream_time(acc, 3 * 4 * t * vocab)
 
 
-def _stage_times(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> tuple[tuple[StageTime, ...], float]:
-    groups = dense_groups(plan)
-    shape = shape_of(plan)
+Kinds = tuple[tuple[tuple[bool, bool], int], ...]  # ((moe, recomputed), layer count) in layer order
+
+
+def _stage_layer_kinds(model: ModelSpec, plan: ParallelPlan) -> tuple[Kinds, ...]:
+    """Per pipeline rank: (moe, recomputed) -> layer count, in the order the layers first appear
+    (full recompute with the "block" method repeats only the first n layers of each chunk)."""
     block = plan.recompute_num_layers if plan.recompute_method == "block" else None
+    full = plan.recompute == "full"
+    key = (model, plan.pp, plan.vpp, plan.num_layers_in_first_pipeline_stage, plan.num_layers_in_last_pipeline_stage,
+           full, block)
+    kinds = _KINDS.get(key)
+    if kinds is None:
+        if len(_KINDS) > 4096:
+            _KINDS.clear()
+        kinds = _KINDS[key] = tuple(
+            tuple(Counter((moe, full and (block is None or j < block))
+                          for chunk in chunks for j, moe in enumerate(chunk)).items())
+            for chunks in stage_kinds(model, plan))
+    return kinds
+
+
+_KINDS: dict[tuple, tuple[Kinds, ...]] = {}
+
+
+def _p2p_time(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> float:
     act = model.seq_length // plan.cp * plan.micro_batch_size * model.hidden_size * BYTES
     act //= plan.tp if plan.sequence_parallel else 1
-    p2p = 2 * plan.virtual_stages * comm.p2p(groups["pp"], act, cluster) if plan.pp > 1 else 0.0
-    out, raw = [], 0.0
-    for rank, chunks in enumerate(stage_kinds(model, plan)):
-        # (moe, recomputed) -> layer count; full recompute with "block" repeats the first n per chunk
-        kinds = Counter((moe, plan.recompute == "full" and (block is None or j < block))
-                        for chunk in chunks for j, moe in enumerate(chunk))
-        compute = a2a = other = 0.0
-        for (moe, full), count in kinds.items():
-            cost = _layer(model, shape, cluster, moe, full)
-            compute += count * (cost.compute_fwd + cost.compute_bwd)
-            a2a += count * (cost.a2a_fwd + cost.a2a_bwd)
-            other += count * (cost.comm_fwd + cost.comm_bwd)
-            raw = max(raw, cost.a2a_raw)
+    return 2 * plan.virtual_stages * comm.p2p(dense_groups(plan)["pp"], act, cluster) if plan.pp > 1 else 0.0
+
+
+def _sums(kinds: Kinds, costs: dict[tuple[bool, bool], LayerCost]) -> tuple[float, float, float]:
+    """(compute, exposed all-to-all, other communication) of one stage, per micro-batch."""
+    compute = a2a = other = 0.0
+    for key, count in kinds:
+        cost = costs[key]
+        compute += count * (cost.compute_fwd + cost.compute_bwd)
+        a2a += count * (cost.a2a_fwd + cost.a2a_bwd)
+        other += count * (cost.comm_fwd + cost.comm_bwd)
+    return compute, a2a, other
+
+
+def _stage_times(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> tuple[tuple[StageTime, ...], float]:
+    shape = shape_of(plan)
+    p2p = _p2p_time(model, plan, cluster)
+    stage_kinds_ = _stage_layer_kinds(model, plan)
+    costs = {key: _layer(model, shape, cluster, *key) for kinds in stage_kinds_ for key, _ in kinds}
+    # per micro-batch host work (embedding, output layer and loss, the schedule's bookkeeping),
+    # fitted at pp = 1; the embedding and the loss sit on the end stages, so the stages share it
+    overhead = cluster.accelerator.microbatch_overhead_us * 1e-6 / plan.pp
+    raw = max([0.0] + [cost.a2a_raw for cost in costs.values()])  # one way, for reports
+    out = []
+    for rank, kinds in enumerate(stage_kinds_):
+        compute, a2a, other = _sums(kinds, costs)
         if rank == plan.pp - 1:
             compute += _logits(model, plan, cluster)
-        # per micro-batch host work (embedding, output layer and loss, the schedule's bookkeeping),
-        # fitted at pp = 1; the embedding and the loss sit on the end stages, so the stages share it
-        compute += cluster.accelerator.microbatch_overhead_us * 1e-6 / plan.pp
+        compute += overhead
         out.append(StageTime(stage=rank, compute=compute, a2a=a2a, comm=other, p2p=p2p))
     return tuple(out), raw
 
@@ -120,17 +152,16 @@ def _overlapped(t: float, window: float, params: int) -> float:
     return max(t - window, last_bucket)
 
 
-def _data_parallel(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, stages: tuple[StageTime, ...]) -> float:
-    """Exposed gradient reduction + parameter gathering, worst pipeline rank.
+def _dp_collectives(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> tuple[tuple[float, float, int], ...]:
+    """Per pipeline rank: (gradient reduction, parameter gathering, parameters) before overlap.
 
     Dense (over dp x cp) and expert (over edp) collectives run one after the other on the same
-    stream and share one window: the backward (2/3 of the compute) for gradients, the forward for
-    parameters.
+    stream and share one window (see :func:`_data_parallel`).
     """
     dense_g, expert_g = dense_groups(plan)["dp"], expert_groups(plan)["edp"]
     grad_bytes = 4 if plan.precision == "bf16" and not plan.grad_reduce_in_bf16 else 2
-    worst = 0.0
-    for params, st in zip(stage_params(model, plan), stages):
+    out = []
+    for params in stage_params(model, plan):
         pairs = ((dense_g, params.dense), (expert_g, params.expert))
         if plan.distributed_optimizer:
             grads = sum(comm.ring(g, n * grad_bytes, cluster) for g, n in pairs)
@@ -138,10 +169,28 @@ def _data_parallel(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, s
         else:
             grads = sum(comm.ring(g, n * grad_bytes, cluster, passes=2) for g, n in pairs)
             gather = 0.0
-        exposed = (_overlapped(grads, 2 / 3 * st.compute, params.total)
-                   + _overlapped(gather, 1 / 3 * st.compute, params.total))
+        out.append((grads, gather, params.total))
+    return tuple(out)
+
+
+def _exposed_dp(collectives, computes) -> float:
+    """Worst exposed (gradients, parameters) over the ranks: the backward (2/3 of a rank's compute)
+    hides the gradients, the forward the parameters, except one bucket each."""
+    worst = 0.0
+    for (grads, gather, total), compute in zip(collectives, computes):
+        exposed = _overlapped(grads, 2 / 3 * compute, total) + _overlapped(gather, 1 / 3 * compute, total)
         worst = max(worst, exposed)
     return worst
+
+
+def _data_parallel(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, stages: tuple[StageTime, ...]) -> float:
+    """Exposed gradient reduction + parameter gathering, worst pipeline rank.
+
+    Dense (over dp x cp) and expert (over edp) collectives run one after the other on the same
+    stream and share one window: the backward (2/3 of the compute) for gradients, the forward for
+    parameters.
+    """
+    return _exposed_dp(_dp_collectives(model, plan, cluster), [st.compute for st in stages])
 
 
 def _optimizer(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> float:
@@ -159,6 +208,58 @@ def _optimizer(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> fl
     return worst + acc.step_overhead_us * 1e-6
 
 
+def _exact_pipeline(stages: tuple[StageTime, ...], m: int) -> float:
+    """:func:`pipeline_time` with ``exact=True`` (the 1F1B simulation, vpp = 1, pp > 1), computed
+    without recording the passes: the same start/end recurrence per pass (start = max(the stage is
+    free, its dependency is done), end = start + pass), so the same floats; the makespan is the
+    latest stage's last end. ``simulate_1f1b`` keeps the passes for the timeline plot."""
+    n = len(stages)
+    fwd, bwd = [], []
+    for st in stages:
+        f, b = pass_parts(st)
+        fwd.append(sum(f.values()))
+        bwd.append(sum(b.values()))
+    orders = [one_f_one_b_order(n, p, m) for p in range(n)]
+    end_f = [[None] * m for _ in range(n)]
+    end_b = [[None] * m for _ in range(n)]
+    free, nxt = [0.0] * n, [0] * n
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for p in range(n):
+            order, free_p, k = orders[p], free[p], nxt[p]
+            f_p, b_p = fwd[p], bwd[p]
+            done_f, done_b = end_f[p], end_b[p]
+            prev_f = end_f[p - 1] if p > 0 else None
+            next_b = end_b[p + 1] if p + 1 < n else None
+            while k < len(order):
+                kind, i = order[k]
+                if kind == "F":
+                    ready = prev_f[i] if prev_f is not None else 0.0
+                    if ready is None:
+                        break
+                    free_p = done_f[i] = max(free_p, ready) + f_p
+                else:
+                    ready = next_b[i] if next_b is not None else 0.0
+                    if ready is None:
+                        break
+                    free_p = done_b[i] = max(free_p, ready) + b_p
+                k += 1
+            if k != nxt[p]:
+                remaining -= k - nxt[p]
+                progressed = True
+            free[p], nxt[p] = free_p, k
+        if not progressed:
+            raise RuntimeError("1F1B schedule deadlocked")  # cannot happen for Megatron's order
+    return max(free)
+
+
+def _pipeline(stages: tuple[StageTime, ...], m: int, vpp: int, exact: bool) -> float:
+    if exact and vpp == 1 and len(stages) > 1:
+        return _exact_pipeline(stages, m)
+    return pipeline_time(stages, m, vpp, exact=exact)
+
+
 def step_time(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, *, exact: bool = True) -> StepTime:
     """Predicted time of one training step and its breakdown (seconds).
 
@@ -167,12 +268,104 @@ def step_time(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, *, exa
     """
     stages, raw = _stage_times(model, plan, cluster)
     m, slow = plan.num_microbatches, max(stages, key=lambda s: s.total)
-    pipeline = pipeline_time(stages, m, plan.virtual_stages, exact=exact)
+    pipeline = _pipeline(stages, m, plan.virtual_stages, exact)
     dp = _data_parallel(model, plan, cluster, stages)
     opt = _optimizer(model, plan, cluster)
     return StepTime(step=pipeline + dp + opt, compute=m * slow.compute, exposed_a2a=m * slow.a2a,
                     other_comm=m * (slow.comm + slow.p2p) + dp, bubble=pipeline - m * slow.total, optimizer=opt,
                     pipeline=pipeline, data_parallel=dp, stages=stages, slowest_stage=slow.stage, a2a_one_way=raw)
+
+
+class ExchangeVariants:
+    """Closed-form step times (``step_time(..., exact=False).step``, the same floats) of plans that
+    differ from ``base`` only in the exchange: ``a2a``, ``a2a_chunks``, ``shared_expert_overlap``,
+    ``ep_comm_overlap`` (the search's variants of one base plan).
+
+    Those fields change the MoE layers' cost and nothing else: the dense layers, the logits, p2p,
+    the data-parallel collectives and the optimizer are priced once here, and :meth:`step` re-prices
+    the MoE layer and sums the same terms in the same order as :func:`step_time`. Pipeline ranks
+    with the same layers share their sums. ``cache`` (a dict the caller keeps for one search, i.e.
+    one model and cluster) memoises layer costs and the other terms across base plans, each keyed
+    by the plan fields its function reads.
+    """
+
+    __slots__ = ("model", "cluster", "m", "vpp", "p2p", "logits", "overhead", "opt", "groups", "rank_group",
+                 "dense", "moe_keys", "dp_terms", "layers", "exchange")
+
+    def __init__(self, model: ModelSpec, base: ParallelPlan, cluster: ClusterSpec, cache: dict | None = None) -> None:
+        cache = {} if cache is None else cache
+        self.model, self.cluster = model, cluster
+        self.m, self.vpp = base.num_microbatches, base.virtual_stages
+        tp, cp, dp, mbs = base.tp, base.cp, base.dp, base.micro_batch_size
+        sizes = (model, cluster, tp, cp, dp, base.pp, base.vpp, base.num_layers_in_first_pipeline_stage,
+                 base.num_layers_in_last_pipeline_stage, base.ep, base.etp_size)
+        self.p2p = _memo(cache, ("p2p", sizes, mbs, base.sequence_parallel), _p2p_time, model, base, cluster)
+        self.logits = _memo(cache, ("logits", model, cluster, tp, cp, mbs, base.precision), _logits, model, base, cluster)
+        self.overhead = cluster.accelerator.microbatch_overhead_us * 1e-6 / base.pp
+        self.opt = _memo(cache, ("optimizer", sizes, base.distributed_optimizer, base.optimizer_offload_fraction),
+                         _optimizer, model, base, cluster)
+        collectives = _memo(cache, ("dp", sizes, base.precision, base.grad_reduce_in_bf16, base.distributed_optimizer),
+                            _dp_collectives, model, base, cluster)
+        kinds = _stage_layer_kinds(model, base)
+        shape = shape_of(base)
+        self.layers = layers = cache.setdefault("layers", {})  # (model, cluster, shape, moe, full) -> LayerCost
+        keys = list(dict.fromkeys(key for k in kinds for key, _ in k))
+        self.dense = {}
+        for key in keys:
+            if not key[0]:
+                lkey = (model, cluster, shape, False, key[1])
+                cost = layers.get(lkey)
+                if cost is None:
+                    cost = layers[lkey] = _layer(model, shape, cluster, *key)
+                self.dense[key] = cost
+        self.moe_keys = tuple(key for key in keys if key[0])
+        # the MoE costs of plans whose shape is this base's but for the exchange fields
+        self.exchange = cache.setdefault(("exchange", model, cluster, shape), {})
+        # ranks with the same layers (and the same end-stage work) share their sums
+        index: dict[tuple, int] = {}
+        self.rank_group = tuple(index.setdefault((k, rank == base.pp - 1), len(index))
+                                for rank, k in enumerate(kinds))
+        self.groups = tuple(index)
+        # ranks with the same sums and the same collectives expose the same data-parallel time
+        self.dp_terms = tuple(dict.fromkeys(zip(self.rank_group, collectives)))
+
+    def _moe(self, plan: ParallelPlan, full: bool) -> LayerCost:
+        if plan.ep_comm_overlap:  # its share of hidden micro-batches depends on more than the base shape
+            shape = shape_of(plan)
+            key = (self.model, self.cluster, shape, True, full)
+            cost = self.layers.get(key)
+            if cost is None:
+                cost = self.layers[key] = _layer(self.model, shape, self.cluster, True, full)
+            return cost
+        key = (plan.a2a, plan.a2a_chunks, plan.shared_expert_overlap, full)
+        cost = self.exchange.get(key)
+        if cost is None:
+            cost = self.exchange[key] = _layer(self.model, shape_of(plan), self.cluster, True, full)
+        return cost
+
+    def step(self, plan: ParallelPlan) -> float:
+        costs = self.dense.copy()
+        for key in self.moe_keys:
+            costs[key] = self._moe(plan, key[1])
+        computes, totals = [], []
+        logits, overhead, p2p = self.logits, self.overhead, self.p2p
+        for kinds, last in self.groups:
+            compute, a2a, other = _sums(kinds, costs)
+            if last:
+                compute += logits
+            compute += overhead
+            computes.append(compute)
+            totals.append(compute + a2a + other + p2p)
+        pipeline = closed_form([totals[g] for g in self.rank_group], self.m, self.vpp)
+        dp = _exposed_dp([c for _, c in self.dp_terms], [computes[g] for g, _ in self.dp_terms])
+        return pipeline + dp + self.opt
+
+
+def _memo(cache: dict, key: tuple, fn, *args):
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = fn(*args)
+    return value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -83,7 +83,7 @@ CASES: tuple[Case, ...] = (
     Case(name="2r-ep2-mbs4", group="val-moe/2r/gbs8", model=_model(), plan=_plan(2, 8, ep=2, micro_batch_size=4)),
     Case(name="2r-pp2-mbs2", group="val-moe/2r/gbs8", model=_model(), plan=_plan(2, 8, pp=2, micro_batch_size=2)),
     Case(name="2r-ep2-pipelined2", group="val-moe/2r/gbs8", model=_model(),
-         plan=_plan(2, 8, ep=2, micro_batch_size=2, a2a="pipelined", a2a_chunks=2)),
+         plan=_plan(2, 8, ep=2, micro_batch_size=2, a2a="flat", a2a_chunks=2)),
     # other experts / top-k
     Case(name="2r-ep2-e4-top1", group="e4-top1/2r/gbs8", model=_model(num_experts=4, moe_router_topk=1),
          plan=_plan(2, 8, ep=2, micro_batch_size=2)),
@@ -113,7 +113,7 @@ CASES: tuple[Case, ...] = (
          plan=_plan(2, 8, ep=2, micro_batch_size=4, attention_backend="flash"), framework="deepspeed",
          excluded=DEEPSPEED),
     Case(name="ds-2r-ep2-pipelined2", group="val-moe/2r/gbs8/deepspeed", model=_model(),
-         plan=_plan(2, 8, ep=2, micro_batch_size=2, a2a="pipelined", a2a_chunks=2, attention_backend="flash"),
+         plan=_plan(2, 8, ep=2, micro_batch_size=2, a2a="flat", a2a_chunks=2, attention_backend="flash"),
          framework="deepspeed", excluded=DEEPSPEED),
 )
 

@@ -1,8 +1,10 @@
 """The ``"piper"`` block, planning and the drop-in's contract, in one process (no torch.distributed).
 
 * every validation error of the block, matched: unknown keys (nearest and valid keys named), wrong
-  types (strict: no "yes" for true), ranges, key combinations (``"chunks": 1`` with ``"pipelined"``),
+  types (strict: no "yes" for true), ranges, key combinations (``"chunks": 1`` with the old ``"pipelined"``),
   unresolvable presets, pinned plans DeepSpeed cannot run, a missing global batch, no plan that fits;
+* ``a2a`` (the algorithm) and ``chunks`` are chosen independently; the old ``"a2a": "pipelined"``
+  reads as flat in 2 chunks or more, with a note, and plans what the new spelling plans;
 * an explicit all-to-all (``a2a`` not auto, ``chunks`` >= 2 or tune) is honoured where the search
   alone would pick ep = 1 (a model whose unrestricted best plan has ep = 1), or refused with the
   reason (one rank; a pinned ep = 1), never rewritten to flat;
@@ -53,16 +55,14 @@ CONFIG = {"train_batch_size": 8, "zero_optimization": {"stage": 0}}
 @pytest.mark.parametrize("block, match", [
     (OK | {"chunk": 4}, r"piper\.chunk=4: is not a key of the piper block; did you mean 'chunks'\? valid keys: "
                         r"enabled, cluster, profile, a2a, chunks, memory_headroom, plan_only, trace, model, plan"),
-    (OK | {"a2a": "ring"}, r"piper\.a2a='ring': must be one of auto, flat, hierarchical, pipelined"),
+    (OK | {"a2a": "ring"}, r"piper\.a2a='ring': must be one of auto, flat, hierarchical; write e\.g\. \"a2a\": "
+                           r"\"hierarchical\" \(pipeline it with \"chunks\"\)$"),
     (OK | {"chunks": 0}, r"piper\.chunks=0: must be an int >= 1, \"auto\" or \"tune\""),
     (OK | {"chunks": "4"}, r"piper\.chunks='4': must be an int >= 1, \"auto\" or \"tune\""),
-    (OK | {"a2a": "hierarchical", "chunks": "tune"}, r"piper\.chunks='tune': tuning measures the pipelined all-to-all's "
-                                                    r"chunk count, and a2a \"hierarchical\" is unpipelined"),
     (OK | {"chunks": 2.5}, r"piper\.chunks=2\.5: must be an int >= 1"),
-    (OK | {"a2a": "flat", "chunks": 4}, r"piper\.chunks=4: pipeline chunks apply only to a2a \"pipelined\""),
     (OK | {"a2a": "pipelined", "chunks": 1},
-     r"^piper\.chunks=1: a2a \"pipelined\" needs chunks >= 2 \(it overlaps chunk k\+1's exchange with chunk k's "
-     r"experts; one chunk is the flat all-to-all\); set chunks to 2, 4, 8 or \"auto\", or \"a2a\": \"flat\"$"),
+     r"^piper\.chunks=1: a2a \"pipelined\" meant flat exchanges in 2 chunks or more, so one chunk contradicts it; "
+     r"write \"a2a\": \"flat\", \"chunks\": 1 \(unpipelined\), or \"a2a\": \"flat\" with chunks 2, 4, 8 or \"auto\"$"),
     (OK | {"memory_headroom": 1.0}, r"piper\.memory_headroom=1\.0: must be a number in \[0, 1\)"),
     (OK | {"memory_headroom": -0.1}, r"piper\.memory_headroom=-0\.1: must be a number in \[0, 1\)"),
     (OK | {"memory_headroom": True}, r"piper\.memory_headroom=True: must be a number"),
@@ -123,22 +123,52 @@ def test_pipeline_with_zero2_and_no_fitting_plan() -> None:
 LONG = OK | {"model": to_dict(dataclasses.replace(load_model("tiny-moe"), name="tiny-moe-1k", seq_length=1024))}
 
 
+ANY = {"flat", "hierarchical"}
+ALL_CHUNKS = {1, 2, 4, 8}
+
+
 @pytest.mark.parametrize("asked, a2a, chunks", [
-    ({"a2a": "pipelined", "chunks": 2}, "pipelined", {2}),
-    ({"a2a": "pipelined"}, "pipelined", {2, 4, 8}),
-    ({"a2a": "hierarchical"}, "hierarchical", {1}),
-    ({"a2a": "flat"}, "flat", {1}),
-    ({"chunks": 4}, "pipelined", {4}),  # a chunk count with a2a auto means the pipelined exchange
-    ({"chunks": "tune"}, "pipelined", {2, 4, 8}),
+    ({"a2a": "hierarchical", "chunks": 2}, {"hierarchical"}, {2}),
+    ({"a2a": "flat", "chunks": 4}, {"flat"}, {4}),
+    ({"a2a": "hierarchical"}, {"hierarchical"}, ALL_CHUNKS),
+    ({"a2a": "flat"}, {"flat"}, ALL_CHUNKS),
+    ({"chunks": 4}, ANY, {4}),  # a chunk count with a2a auto: either algorithm, in that many chunks
+    ({"chunks": "tune"}, ANY, ALL_CHUNKS),
+    ({"a2a": "hierarchical", "chunks": "tune"}, {"hierarchical"}, ALL_CHUNKS),
 ])
 def test_explicit_all_to_all_is_honoured_where_the_search_would_pick_ep_1(asked, a2a, chunks) -> None:
     assert plan_for(CONFIG | {"piper": LONG}, 2).plan.ep == 1, "the case needs a search that picks ep = 1"
     choice = plan_for(CONFIG | {"piper": LONG | asked}, 2)
     plan = choice.plan
-    assert plan.ep == 2 and plan.a2a == a2a and plan.a2a_chunks in chunks, plan
+    assert plan.ep == 2 and plan.a2a in a2a and plan.a2a_chunks in chunks, plan
+    assert {(s.plan.a2a, s.plan.a2a_chunks) for s in choice.search.scored if s.plan.ep > 1} == \
+        {(a, c) for a in a2a for c in chunks}
+    assert not any(s.plan.ep_comm_overlap or s.plan.shared_expert_overlap for s in choice.search.scored)
     assert all(p.plan.ep > 1 for p in choice.top)
     new, _ = rewrite_config(CONFIG | {"piper": LONG | asked}, choice)
     assert plan_for(new, 2).plan == plan, "the rewritten block pins the same plan"
+
+
+@pytest.mark.parametrize("legacy, current", [
+    ({"a2a": "pipelined", "chunks": 2}, {"a2a": "flat", "chunks": 2}),
+    ({"a2a": "pipelined"}, {"a2a": "flat", "chunks": "{top}"}),
+])
+def test_legacy_pipelined_block_reads_as_flat_chunks_with_a_note(legacy, current) -> None:
+    from piper_core.runtime import NodeTopology
+    from piper_deepspeed.initialize import report
+
+    config = CONFIG | {"piper": LONG | legacy}
+    with pytest.warns(FutureWarning, match="the \"piper\" block: a2a 'pipelined' is read as a2a 'flat' with"):
+        old = plan_for(config, 2)
+    assert old.plan.ep == 2 and old.plan.a2a == "flat" and old.plan.a2a_chunks >= 2
+    assert {(s.plan.a2a, s.plan.a2a_chunks >= 2) for s in old.search.scored if s.plan.ep > 1} == {("flat", True)}
+    (note,) = old.notes
+    new, _ = rewrite_config(config, old)
+    assert (new["piper"]["a2a"], new["piper"]["chunks"]) == ("flat", old.plan.a2a_chunks)  # written the new way
+    assert f"piper: note: {note}" in report(old, [], config, topology=NodeTopology(nodes=((0, 1),)))
+    spelt = {k: v if v != "{top}" else old.plan.a2a_chunks for k, v in current.items()}
+    now = plan_for(CONFIG | {"piper": LONG | spelt}, 2)
+    assert now.plan == old.plan and now.notes == ()
 
 
 def test_chunks_1_with_a2a_auto_means_unpipelined() -> None:
@@ -148,15 +178,17 @@ def test_chunks_1_with_a2a_auto_means_unpipelined() -> None:
 
 
 @pytest.mark.parametrize("block, world, match", [
-    (OK | {"a2a": "pipelined", "chunks": 2}, 1,
-     r"^piper\.a2a='pipelined': asks for an expert all-to-all, which needs expert parallelism \(ep > 1\), and no "
+    (OK | {"a2a": "hierarchical", "chunks": 2}, 1,
+     r"^piper\.a2a='hierarchical': asks for an expert all-to-all, which needs expert parallelism \(ep > 1\), and no "
      r"ep > 1 is possible on 1 rank; run on more ranks, or set \"a2a\" and \"chunks\" to \"auto\" \(or remove "
      r"them\) to plan without an expert all-to-all$"),
     (OK | {"chunks": 4}, 1, r"^piper\.chunks=4: asks for an expert all-to-all, .* no ep > 1 is possible on 1 rank"),
-    (OK | {"a2a": "pipelined", "plan": {"ep": 1, "mbs": 1}}, 2,
-     r"^piper\.a2a='pipelined': asks for an expert all-to-all, which needs expert parallelism \(ep > 1\), and "
+    (OK | {"a2a": "flat", "chunks": 2, "plan": {"ep": 1, "mbs": 1}}, 2,
+     r"^piper\.chunks=2: asks for an expert all-to-all, which needs expert parallelism \(ep > 1\), and "
      r"piper\.plan pins ep=1; pin ep > 1 in piper\.plan, or set \"a2a\" to \"auto\" or \"flat\" and remove "
      r"\"chunks\"$"),
+    pytest.param(OK | {"a2a": "pipelined", "plan": {"ep": 1, "mbs": 1}}, 2, r"^piper\.a2a='pipelined': .* pins ep=1",
+                 marks=pytest.mark.filterwarnings("ignore::FutureWarning")),  # the old spelling: refused too
     (OK | {"a2a": "hierarchical", "plan": {"ep": 1, "mbs": 1}}, 2, r"^piper\.a2a='hierarchical': .* pins ep=1"),
     (OK | {"chunks": "tune", "plan": {"ep": 1, "mbs": 1}}, 2, r"^piper\.chunks='tune': .* pins ep=1"),
 ])
@@ -167,10 +199,10 @@ def test_explicit_all_to_all_without_ep_above_1_is_refused(block, world, match) 
 
 def test_explicit_all_to_all_that_fits_nowhere_says_the_search_was_restricted() -> None:
     with pytest.raises(Infeasible, match=r"no plan DeepSpeed can run fits switch-1t on 2 ranks of cpu-local at "
-                                         r"global batch 8 \(searched \d+ plans, ep > 1 only as piper\.a2a='pipelined' "
-                                         r"asks; rejected: .*exceeds memory\); .*, or set \"a2a\" and \"chunks\" to "
+                                         r"global batch 8 \(searched \d+ plans, ep > 1 only as "
+                                         r"piper\.a2a='hierarchical' asks; rejected: .*exceeds memory\); .*, or set \"a2a\" and \"chunks\" to "
                                          r"\"auto\"$"):
-        plan_for(CONFIG | {"piper": OK | {"model": "switch-1t", "a2a": "pipelined"}}, 2)
+        plan_for(CONFIG | {"piper": OK | {"model": "switch-1t", "a2a": "hierarchical"}}, 2)
 
 
 def test_pinned_ep_1_with_a2a_flat_loads_as_exported() -> None:
@@ -209,10 +241,16 @@ def test_pinned_plan_over_capacity_is_refused() -> None:
         plan_for(CONFIG | {"piper": OK | PIN | {"model": "switch-1t"}}, 2)
 
 
-def test_pipelined_settings_with_one_chunk_are_refused() -> None:
-    with pytest.raises(SpecError, match=r"^a2a_chunks=1: the \"pipelined\" all-to-all needs 2 chunks or more"):
-        A2ASettings.from_plan("pipelined", 1)
-    assert A2ASettings.from_plan("pipelined", 2).chunks == 2 and A2ASettings.from_plan("flat", 1).chunks == 1
+def test_settings_follow_the_plans_algorithm_and_chunks() -> None:
+    from piper_core.runtime import Algorithm
+
+    assert A2ASettings.from_plan("hierarchical", 2) == A2ASettings(algorithm=Algorithm.HIERARCHICAL, chunks=2)
+    assert A2ASettings.from_plan("flat", 1) == A2ASettings(algorithm=Algorithm.FLAT, chunks=1)
+    assert A2ASettings.from_plan("hierarchical", 1, tune=True).tune
+    with pytest.warns(FutureWarning, match="A2ASettings.from_plan: a2a 'pipelined' is read as a2a 'flat' with 4"):
+        assert A2ASettings.from_plan("pipelined", 4) == A2ASettings(algorithm=Algorithm.FLAT, chunks=4)
+    with pytest.raises(SpecError, match=r"^a2a='aggregated': a plan's exchange algorithm is one of flat, hierarchical"):
+        A2ASettings.from_plan("aggregated", 1)
 
 
 def _forbidden(*args, **kwargs):
@@ -280,16 +318,16 @@ def test_signature_is_deepspeeds() -> None:
 
 def test_exported_block_loads_and_pins_its_plan() -> None:
     spec, cluster = load_model("tiny-moe"), load_cluster("cpu-local")
-    plan = ParallelPlan(gpus=4, ep=4, micro_batch_size=2, global_batch_size=16, a2a="pipelined", a2a_chunks=4)
+    plan = ParallelPlan(gpus=4, ep=4, micro_batch_size=2, global_batch_size=16, a2a="hierarchical", a2a_chunks=4)
     exported = json.loads(json.dumps(deepspeed_config(predict(spec, cluster, plan))))
     exported["piper"]["model"] = "tiny-moe"
     block = PiperConfig.from_block(exported["piper"])
-    assert (block.a2a, block.chunks, block.plan.ep, block.plan.mbs) == ("pipelined", 4, 4, 2)
+    assert (block.a2a, block.chunks, block.plan.ep, block.plan.mbs) == ("hierarchical", 4, 4, 2)
     choice = plan_for(exported, 4)
     assert choice.search is None
     got = choice.plan
     assert (got.ep, got.pp, got.micro_batch_size, got.global_batch_size, got.a2a, got.a2a_chunks,
-            got.distributed_optimizer) == (4, 1, 2, 16, "pipelined", 4, True)
+            got.distributed_optimizer) == (4, 1, 2, 16, "hierarchical", 4, True)
 
 
 def test_profile_plans_on_the_calibrated_cluster(tmp_path) -> None:

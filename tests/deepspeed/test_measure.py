@@ -23,12 +23,12 @@ def _job(**plan) -> TrainJob:
 
 
 def test_config_pins_the_plan_in_bf16_at_zero_0() -> None:
-    cfg = ds_config(_job(a2a="pipelined", a2a_chunks=2))
+    cfg = ds_config(_job(a2a="hierarchical", a2a_chunks=2))
     assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) \
         == (8, 2, 2)
     assert cfg["bf16"] == {"enabled": True} and cfg["zero_optimization"] == {"stage": 0}
     block = PiperConfig.from_block(cfg["piper"])
-    assert (block.a2a, block.chunks, block.plan.ep, block.plan.mbs) == ("pipelined", 2, 2, 2)
+    assert (block.a2a, block.chunks, block.plan.ep, block.plan.mbs) == ("hierarchical", 2, 2, 2)
 
 
 @pytest.mark.parametrize(("plan", "message"), [

@@ -6,15 +6,16 @@ Adam (``torch_adam``) from the same seed and data, once with stock DeepSpeed (th
 rewrite is the identity; the only difference is Piper's all-to-all inside every MoE layer. The
 losses must agree to fp32 rounding (rtol 1e-5), and the engine must hold PiperMOELayers.
 
-* 2 processes, ep 2: ZeRO 0 (pipelined all-to-all, 2 chunks), ZeRO 1 (hierarchical), ZeRO 2
-  (pipelined, 4 chunks), ZeRO 0 with ``"chunks": "tune"`` (7 steps: every layer measures 1/2/4/8
+* 2 processes, ep 2: ZeRO 0 (flat all-to-all pipelined in 2 chunks), ZeRO 1 (hierarchical), ZeRO 2
+  (flat, 4 chunks), ZeRO 0 with ``"chunks": "tune"`` (7 steps: every layer measures 1/2/4/8
   chunks in 12 micro-batches, then keeps one, the same on both ranks); plus, on the same processes: a searched (unpinned) plan, whose config
   rewrite, engine settings and rank-0 printout are checked against ``plan_for``/``report``, and its
   ``trace`` files (plan.json, one dispatch post per chunk per MoE layer per micro-batch); a model
   built with a conflicting ep_size (an error naming the layer); ``plan_only`` (PlanOnly on every rank).
 * 4 processes ("2 nodes x 2"): ZeRO 2 with ep 4 (hierarchical, so one exchange stage crosses nodes),
-  and a 2-stage PipelineModule with ep 2 (ZeRO 1, pipelined/2; DeepSpeed's pipeline engine runs
-  ZeRO 0-1 only), both pinned.
+  ZeRO 1 with ep 4 hierarchical in 2 pipelined chunks (``"a2a": "hierarchical", "chunks": 2``: each
+  chunk's exchange has both stages), and a 2-stage PipelineModule with ep 2 (ZeRO 1, flat/2;
+  DeepSpeed's pipeline engine runs ZeRO 0-1 only), all pinned.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _pair(stage: int, a2a: str, chunks: int | str, *, ep: int, pipeline: bool = 
     changed = {k: piper.engine_config[k] for k in stock_cfg if k != "piper" and piper.engine_config[k] != stock_cfg[k]}
     return {"case": f"ZeRO {stage} ep={ep} pp={stages} {a2a}/{chunks}", "stock": [s.loss for s in stock.steps],
             "piper": [s.loss for s in piper.steps], "stock_moe": stock.moe_classes, "piper_moe": piper.moe_classes,
-            "config_changed": changed, "steps": steps, "tuned": piper.tuned}
+            "config_changed": changed, "steps": steps, "tuned": piper.tuned, "exchanges": piper.exchanges}
 
 
 def _searched(trace: str) -> dict:
@@ -71,7 +72,7 @@ def _searched(trace: str) -> dict:
 
     world = torch.distributed.get_world_size()
     config = {"train_batch_size": 8, "optimizer": BASE["optimizer"], "zero_optimization": {"stage": 0},
-              "piper": BLOCK | {"a2a": "pipelined", "trace": trace}}
+              "piper": BLOCK | {"chunks": 2, "trace": trace}}
     choice = plan_for(config, world)
     rewritten, changes = rewrite_config(config, choice)
     expected = report(choice, changes, config, topology=node_topology(choice.prediction.cluster, world))
@@ -114,8 +115,8 @@ def _conflict_and_plan_only() -> dict:
 
 def _two_ranks(rank: int, world: int, trace: str) -> dict:
     deepspeed_comm()
-    pairs = [_pair(0, "pipelined", 2, ep=2), _pair(1, "hierarchical", 1, ep=2), _pair(2, "pipelined", 4, ep=2),
-             _pair(0, "pipelined", "tune", ep=2, steps=7)]
+    pairs = [_pair(0, "flat", 2, ep=2), _pair(1, "hierarchical", 1, ep=2), _pair(2, "flat", 4, ep=2),
+             _pair(0, "flat", "tune", ep=2, steps=7)]
     return {"pairs": pairs, "searched": _searched(trace), "errors": _conflict_and_plan_only()}
 
 
@@ -123,7 +124,8 @@ def _four_ranks(rank: int, world: int) -> dict:
     deepspeed_comm()
     # Order matters: DeepSpeed keeps groups.mpu and its expert groups (by ep size) in module globals,
     # so the pipeline engine, which sets groups.mpu, comes last, and the two use different ep sizes.
-    return {"pairs": [_pair(2, "hierarchical", 1, ep=4), _pair(1, "pipelined", 2, ep=2, pipeline=True)]}
+    return {"pairs": [_pair(2, "hierarchical", 1, ep=4), _pair(1, "hierarchical", 2, ep=4),
+                      _pair(1, "flat", 2, ep=2, pipeline=True)]}
 
 
 def _check_pairs(pairs: list[dict]) -> None:
@@ -151,6 +153,7 @@ def test_two_ranks_zero_0_1_2_searched_plan_and_errors(tmp_path) -> None:
     for chosen, medians in tuned[0]:
         assert chosen in (1, 2, 4, 8) and set(medians) == {1, 2, 4, 8} and all(0 < m < 10 for m in medians.values())
     assert all(not r["pairs"][0]["tuned"] for r in results)  # a fixed chunk count measures nothing
+    assert all(set(r["pairs"][0]["exchanges"]) == {("flat in 2 pipelined chunks", 1)} for r in results)
     searched = results[0]["searched"]
     assert searched["built"] == searched["plan"]
     assert searched["engine"] == searched["rewritten"]
@@ -158,7 +161,7 @@ def test_two_ranks_zero_0_1_2_searched_plan_and_errors(tmp_path) -> None:
     assert searched["engine"]["train_micro_batch_size_per_gpu"] == plan.micro_batch_size
     assert searched["engine"]["gradient_accumulation_steps"] == plan.num_microbatches
     assert searched["engine"]["zero_optimization"]["stage"] == (1 if plan.distributed_optimizer else 0)
-    assert plan.ep == 2 and plan.a2a == "pipelined", f"the case needs an expert-parallel plan, got {plan}"
+    assert plan.ep == 2 and plan.a2a_chunks == 2, f"the case needs an expert-parallel plan in 2 chunks, got {plan}"
     assert searched["engine"]["piper"]["plan"]["ep"] == plan.ep
     assert set(searched["moe"]) == ({"PiperMOELayer"} if plan.ep > 1 else {"MOELayer"})
     assert _untimed(searched["expected_report"]) in _untimed(searched["stdout"])
@@ -175,6 +178,11 @@ def test_two_ranks_zero_0_1_2_searched_plan_and_errors(tmp_path) -> None:
         assert r["errors"]["plan_only"][0] == 0
 
 
-def test_four_ranks_zero2_ep4_and_pipeline_module() -> None:
-    for r in run_ranks(4, _four_ranks, timeout_s=300):
+def test_four_ranks_zero2_ep4_hierarchical_chunks_and_pipeline_module() -> None:
+    results = run_ranks(4, _four_ranks, timeout_s=400)
+    for r in results:
         _check_pairs(r["pairs"])
+        # the hierarchical pairs ran hierarchical exchanges over both nodes, the second in 2 chunks
+        assert set(r["pairs"][0]["exchanges"]) == {("hierarchical", 2)}, r["pairs"][0]["exchanges"]
+        assert set(r["pairs"][1]["exchanges"]) == {("hierarchical in 2 pipelined chunks", 2)}, r["pairs"][1]
+        assert len(r["pairs"][1]["exchanges"]) == 4

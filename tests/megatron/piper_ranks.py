@@ -40,9 +40,10 @@ TOPOLOGY = {(2, 1, 2): ((0,), (1,)), (4, 1, 2): ((0, 2), (1, 3)), (4, 1, 4): ((0
             (4, 2, 2): ((0, 1), (2, 3))}
 TRAIN = {2: {"pp": 1, "ep": 2}, 4: {"pp": 2, "ep": 2}}  # world 4: stages (0, 1) and (2, 3)
 # "tune": every layer measures 1/2/4/8 chunks for 3 calls each (12 calls: 6 steps of 2 micro-batches),
-# then runs its choice in the last step
+# then runs its choice in the last step. Flat and hierarchical variants get their settings from the
+# flags --piper-a2a A --piper-chunks N (the plan's algorithm and chunks, independent of each other).
 TRAIN_VARIANTS: tuple[tuple[str, int] | str, ...] = ("stock", ("flat", 1), ("hierarchical", 1), ("flat", 2),
-                                                    ("aggregated", 4), "tune")
+                                                    ("hierarchical", 2), ("aggregated", 4), "tune")
 TRAIN_STEPS, MICRO_BATCHES, MBS, SEQ = 7, 2, 2, 32
 
 
@@ -202,7 +203,7 @@ def _hook_case(rank: int, world: int, trace_dir: Path) -> dict[str, Any]:
     from piper_megatron.install import DispatchRequest, Installation
 
     installation = Installation("0.16", [], io.StringIO())
-    installation.hook_model_parallel(DispatchRequest(a2a="pipelined", chunks=2, ranks_per_node=1,
+    installation.hook_model_parallel(DispatchRequest(a2a="hierarchical", chunks=2, ranks_per_node=1,
                                                      timeout_minutes=1, trace=trace_dir / "hook.jsonl"))
     try:
         parallel_state.initialize_model_parallel(expert_model_parallel_size=world)
@@ -215,7 +216,8 @@ def _hook_case(rank: int, world: int, trace_dir: Path) -> dict[str, Any]:
         installation.restore()
         parallel_state.destroy_model_parallel()
     suffix = f".rank{rank}" if world > 1 else ""
-    return {"dispatcher": type(layer.token_dispatcher).__name__, "chunks": settings.chunks,
+    return {"dispatcher": type(layer.token_dispatcher).__name__, "algorithm": settings.algorithm.value,
+            "chunks": settings.chunks,
             "expert_calls": len(run["calls"]), "trace_lines": len((trace_dir / f"hook{suffix}.jsonl").read_text()
                                                                   .splitlines()),
             "restored": moe_layer.MoEAlltoAllTokenDispatcher is token_dispatcher.MoEAlltoAllTokenDispatcher
@@ -241,25 +243,52 @@ def _forward_step(data: Any, model: Any) -> tuple[torch.Tensor, Any]:
     return output, loss_func
 
 
-def _train(world: int, comm: Any, variant: tuple[str, int] | str) -> tuple[list[list[float]], list[dict] | None]:
+def _settings(variant: tuple[str, int] | str) -> Any:
+    """The dispatcher settings of a training variant (None: stock). Flat and hierarchical come from
+    the flags, as ``--piper`` reads them; aggregated (no plan's algorithm) directly."""
+    from piper_core.runtime import Algorithm
+    from piper_megatron.args import parse_piper_options
+    from piper_megatron.dispatcher import DispatchSettings
+
+    if variant == "stock":
+        return None
+    if variant == "tune":
+        return DispatchSettings(algorithm=Algorithm.FLAT, chunks=2, tune=True)
+    algorithm, chunks = variant
+    if algorithm == "aggregated":
+        return DispatchSettings(algorithm=Algorithm.AGGREGATED, chunks=chunks)
+    options = parse_piper_options(["--piper", "--piper-a2a", algorithm, "--piper-chunks", str(chunks)])
+    return DispatchSettings.from_plan(options.a2a, options.chunks)
+
+
+def _exchange(model: Any) -> dict[str, Any] | None:
+    """What the first MoE layer's last step ran: algorithm, chunks, stages of each chunk's dispatch."""
+    dispatchers = [m.token_dispatcher for m in model.modules() if getattr(m, "token_dispatcher", None) is not None]
+    meta = getattr(dispatchers[0], "_meta", None) if dispatchers else None
+    if meta is None:
+        return None
+    return {"algorithm": meta.algorithm.value, "chunks": meta.chunks,
+            "stages": [len(c.dispatch.forward.stages) for c in meta.chunk]}
+
+
+def _train(world: int, comm: Any, variant: tuple[str, int] | str) -> tuple[list[list[float]], list[dict] | None,
+                                                                          dict[str, Any] | None]:
     """Losses per step and micro-batch; for "tune", each MoE layer's tuner (what it handed out per
-    call, what it chose from which medians)."""
+    call, what it chose from which medians); the exchange the first MoE layer ran last."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from piper_core.presets import load_model
-    from piper_core.runtime import Algorithm
     from piper_core.specs.parallel import ParallelPlan
     from piper_megatron.build import gpt_model
-    from piper_megatron.dispatcher import DispatchSettings, install_dispatcher
+    from piper_megatron.dispatcher import install_dispatcher
 
     sizes = TRAIN[world]
     plan = ParallelPlan(gpus=world, pp=sizes["pp"], ep=sizes["ep"], global_batch_size=world // sizes["pp"] * MBS * 2)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
-    settings = DispatchSettings(algorithm=Algorithm.FLAT, chunks=2, tune=True) if variant == "tune" else \
-        None if variant == "stock" else DispatchSettings(algorithm=Algorithm(variant[0]), chunks=variant[1])
+    settings = _settings(variant)
     patches = None if settings is None else install_dispatcher(comm, settings)
     try:
         model = gpt_model(dataclasses.replace(load_model("tiny-moe"), seq_length=SEQ), plan, device="cpu",
@@ -287,7 +316,7 @@ def _train(world: int, comm: Any, variant: tuple[str, int] | str) -> tuple[list[
                 handed.setdefault(layer, []).append(tuner.chosen)
         tuned = [{"layer": layer, "chosen": t.chosen, "medians_s": t.medians_s, "after_step": handed[layer]}
                  for layer, t in sorted(tuners.items())] if variant == "tune" else None
-        return losses, tuned
+        return losses, tuned, None if settings is None else _exchange(model)
     finally:
         if patches is not None:
             patches.restore()
@@ -303,8 +332,8 @@ def _training(world: int) -> dict[str, Any]:
     last_stage = parallel_state.is_pipeline_last_stage()
     runs = {variant_id(v): _train(world, comm, v) for v in TRAIN_VARIANTS}
     parallel_state.destroy_model_parallel()
-    return {"last_stage": last_stage, "losses": {k: losses for k, (losses, _) in runs.items()},
-            "tuned": runs["tune"][1]}
+    return {"last_stage": last_stage, "losses": {k: losses for k, (losses, _, _) in runs.items()},
+            "tuned": runs["tune"][1], "exchange": {k: exchange for k, (_, _, exchange) in runs.items()}}
 
 
 def run_rank(rank: int, world: int, trace_dir: str) -> dict[str, Any]:

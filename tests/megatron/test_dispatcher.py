@@ -59,20 +59,56 @@ def test_trace_records_each_forward(piper_ranks, world):
 @pytest.mark.parametrize("world", (2, 4))
 def test_model_parallel_hook_installs_and_restores(piper_ranks, world):
     for rank, results in enumerate(piper_ranks(world)):
-        assert results["hook"] == {"dispatcher": "PiperTokenDispatcher", "chunks": 2, "expert_calls": 2,
-                                   "trace_lines": 1, "restored": True}, f"rank {rank}"
+        # the request is hierarchical/2: the chunked exchanges run hierarchical, each rank its own node
+        assert results["hook"] == {"dispatcher": "PiperTokenDispatcher", "algorithm": "hierarchical", "chunks": 2,
+                                   "expert_calls": 2, "trace_lines": 1, "restored": True}, f"rank {rank}"
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_hierarchical_in_chunks_trains_like_stock(piper_ranks, world):
+    """``--piper-a2a hierarchical --piper-chunks 2`` (tests/megatron/piper_ranks.py ``_settings``):
+    tiny-moe trains 7 steps with losses equal to Megatron's dispatcher, and each of the two chunks
+    ran a two-stage (intra-node, then inter-node) exchange: every expert-parallel group spans two
+    "nodes" (``TOPOLOGY``). Flat in 2 chunks runs one stage per chunk."""
+    for rank, results in enumerate(piper_ranks(world)):
+        run = results["training"]
+        assert run["exchange"]["hierarchical-chunks2"] == {"algorithm": "hierarchical", "chunks": 2,
+                                                           "stages": [2, 2]}, f"rank {rank}"
+        assert run["exchange"]["flat-chunks2"] == {"algorithm": "flat", "chunks": 2, "stages": [1, 1]}, f"rank {rank}"
+        if run["last_stage"]:
+            stock, piper = run["losses"]["stock"], run["losses"]["hierarchical-chunks2"]
+            assert len(piper) == len(stock) == 7
+            for step, (want, got) in enumerate(zip(stock, piper)):
+                assert got == pytest.approx(want, abs=1e-5, rel=0), f"rank {rank} step {step}: {got} vs stock {want}"
 
 
 def test_settings_follow_the_plan_names():
     from piper_core.runtime import Algorithm
     from piper_megatron.dispatcher import DispatchSettings
 
-    assert DispatchSettings.from_plan("pipelined", 4) == DispatchSettings(algorithm=Algorithm.FLAT, chunks=4)
+    hierarchical = DispatchSettings.from_plan("hierarchical", 4)  # pipelined hierarchical exchanges, not flat ones
+    assert hierarchical == DispatchSettings(algorithm=Algorithm.HIERARCHICAL, chunks=4) and hierarchical.pipelined
+    assert hierarchical.describe() == ("Piper pipelined all-to-all: 4 chunks of hierarchical exchanges, chunk k+1's "
+                                       "exchange overlapping chunk k's experts")
+    assert DispatchSettings.from_plan("flat", 2) == DispatchSettings(algorithm=Algorithm.FLAT, chunks=2)
     assert DispatchSettings.from_plan("hierarchical", 1) == DispatchSettings(algorithm=Algorithm.HIERARCHICAL)
     assert not DispatchSettings.from_plan("flat", 1).pipelined
     with pytest.raises(SpecError, match="chunks=0: must be an int >= 1"):
         DispatchSettings(chunks=0)
-    tuned = DispatchSettings.from_plan("pipelined", 4, tune=True)
-    assert tuned.tune and tuned.pipelined and "measured per MoE layer at run time" in tuned.describe()
-    with pytest.raises(SpecError, match="chunks='tune': tuning measures pipelined chunk counts"):
-        DispatchSettings.from_plan("hierarchical", 1, tune=True)
+    for a2a in ("flat", "hierarchical"):  # tuning measures the chunk count of either algorithm
+        tuned = DispatchSettings.from_plan(a2a, 1, tune=True)
+        assert (tuned.algorithm.value, tuned.tune, tuned.pipelined) == (a2a, True, True)
+        assert f"chunks of {a2a} exchanges" in tuned.describe() and "measured per MoE layer at run time" in \
+            tuned.describe()
+    with pytest.raises(SpecError, match="a2a='aggregated': a plan's exchange algorithm is one of flat, hierarchical"):
+        DispatchSettings.from_plan("aggregated", 1)
+
+
+def test_legacy_pipelined_reads_as_flat_chunks_with_a_note():
+    from piper_core.runtime import Algorithm
+    from piper_megatron.dispatcher import DispatchSettings
+
+    with pytest.warns(FutureWarning, match="DispatchSettings.from_plan: a2a 'pipelined' is read as a2a 'flat' "
+                                           "with 4 chunks; the exchange algorithm"):
+        legacy = DispatchSettings.from_plan("pipelined", 4, tune=True)
+    assert legacy == DispatchSettings(algorithm=Algorithm.FLAT, chunks=4, tune=True)

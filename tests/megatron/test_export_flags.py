@@ -23,3 +23,38 @@ def test_exported_router_flags_pass_transformer_config(preset: str) -> None:
                       moe_router_topk=int(flags["--moe-router-topk"]),
                       moe_router_pre_softmax="--moe-router-pre-softmax" in flags,
                       use_cpu_initialization=True)
+
+
+OVERLAP_PLANS = {
+    "shared-expert-overlap": ("deepseek-v3", dict(gpus=256, ep=32, global_batch_size=256, shared_expert_overlap=True)),
+    "megatron-ep-overlap": ("mixtral-8x7b", dict(gpus=64, pp=2, vpp=2, ep=8, global_batch_size=256,
+                                                 ep_comm_overlap=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OVERLAP_PLANS))
+def test_exported_overlap_flags_pass_transformer_config(name: str) -> None:
+    """The overlap options a plan can carry export as the flags Megatron-Core's own config accepts
+    (``--moe-shared-expert-overlap``; ``--overlap-moe-expert-parallel-comm`` with
+    ``--delay-wgrad-compute``, whose rules the plan mirrors: ep > 1, vpp when pp > 1, bf16)."""
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from piper_core.export import parallel_flags
+    from piper_core.specs import ParallelPlan, check_plan
+
+    preset, kw = OVERLAP_PLANS[name]
+    model, plan = load_model(preset), ParallelPlan(**kw)
+    check_plan(model, plan)
+    flags = dict(parallel_flags(model, plan))
+    overlap = "--overlap-moe-expert-parallel-comm" in flags
+    assert overlap == plan.ep_comm_overlap and ("--delay-wgrad-compute" in flags) == overlap
+    assert ("--moe-shared-expert-overlap" in flags) == plan.shared_expert_overlap
+    TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_router_topk=2,
+                      moe_shared_expert_intermediate_size=64 if plan.shared_expert_overlap else None,
+                      moe_shared_expert_overlap="--moe-shared-expert-overlap" in flags,
+                      overlap_moe_expert_parallel_comm=overlap, delay_wgrad_compute="--delay-wgrad-compute" in flags,
+                      expert_model_parallel_size=plan.ep, pipeline_model_parallel_size=plan.pp,
+                      virtual_pipeline_model_parallel_size=plan.vpp, moe_token_dispatcher_type="alltoall",
+                      bf16="--bf16" in flags, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                      use_cpu_initialization=True)

@@ -59,7 +59,7 @@ BASE = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "
         "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--untie-embeddings-and-output-weights",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000", "--global-batch-size", "64", "--bf16",
         "--lr", "1e-4", "--train-iters", "10"]
-PINNED = ["--tensor-model-parallel-size", "2", "--micro-batch-size", "1", "--piper-a2a", "pipelined",
+PINNED = ["--tensor-model-parallel-size", "2", "--micro-batch-size", "1", "--piper-a2a", "hierarchical",
           "--piper-chunks", "2"]
 WORLD = 8
 
@@ -131,9 +131,9 @@ def test_vocabulary_rules():
 def test_piper_flag_errors():
     with pytest.raises(SpecError, match="--piper-cluster=.*only together with --piper"):
         parse_piper_options(["--piper-cluster", "dgx-h100"])
-    with pytest.raises(SpecError, match="chunks apply to the pipelined all-to-all"):
-        parse_piper_options(["--piper", "--piper-a2a", "flat", "--piper-chunks", "4"])
-    with pytest.raises(SpecError, match="needs 2 chunks or more"):
+    with pytest.raises(SpecError, match=r"^--piper-chunks=1: --piper-a2a pipelined meant flat exchanges in 2 "
+                                        r"chunks or more, so one chunk contradicts it; write --piper-a2a flat "
+                                        r"--piper-chunks 1"):
         parse_piper_options(["--piper", "--piper-a2a", "pipelined", "--piper-chunks", "1"])
     with pytest.raises(SpecError, match="--piper-world-size=.*add --piper-plan-only"):
         parse_piper_options(["--piper", "--piper-world-size", "64"])
@@ -148,45 +148,115 @@ def test_explicit_flags_are_what_the_command_line_wrote():
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--expert-tensor-parallel-size", "2"], "expert tensor parallel size 1"),
+    (["--expert-tensor-parallel-size", "2", "--tensor-model-parallel-size", "4"],
+     "expert tensor parallel size 1 or equal to --tensor-model-parallel-size"),
     (["--moe-token-dispatcher-type", "flex"], "replaces Megatron's alltoall token dispatcher"),
     (["--decoder-first-pipeline-num-layers", "1"], "splits layers evenly or shortens the last stage"),
-    (["--moe-shared-expert-overlap"], "runs its own exchanges"),
 ])
 def test_pins_the_search_cannot_honour_are_refused(argv, message):
     with pytest.raises(SpecError, match=message):
         pins_from(argv, parse_piper_options(["--piper"]))
 
 
+def test_expert_tensor_parallelism_and_shared_overlap_pins_are_honoured():
+    """Piper's dispatcher runs etp > 1 and Megatron's shared-expert overlap (tests/megatron/
+    test_dispatcher_etp.py): a pinned etp 2 plans tp 2 with it, and the overlap flag is kept."""
+    pins = pins_from(["--expert-tensor-parallel-size", "2", "--moe-shared-expert-overlap"],
+                     parse_piper_options(["--piper"]))
+    assert dict(pins.given) == {"expert_tensor_parallel_size": 2, "moe_shared_expert_overlap": True}
+    job = planned(BASE + PIPER + ["--expert-tensor-parallel-size", "2"])
+    assert job.result.scored and all(s.plan.tp == 2 and s.plan.etp_size == 2 for s in job.result.scored)
+
+
 def test_pinned_sizes_are_honoured_and_reported():
     argv = BASE + PIPER + PINNED
     job = planned(argv)
-    assert job.result.scored and all(s.plan.tp == 2 and s.plan.micro_batch_size == 1 and s.plan.a2a == "pipelined"
+    assert job.result.scored and all(s.plan.tp == 2 and s.plan.micro_batch_size == 1 and s.plan.a2a == "hierarchical"
                                      and s.plan.a2a_chunks == 2 for s in job.result.scored)
     settings = megatron_settings(job.model, job.top.plan, job.pins)
     assert not {"tensor_model_parallel_size", "micro_batch_size"} & set(settings)  # pinned: never rewritten
-    assert job.pins.describe() == ("--micro-batch-size 1, --tensor-model-parallel-size 2, --piper-a2a pipelined, "
+    assert job.pins.describe() == ("--micro-batch-size 1, --tensor-model-parallel-size 2, --piper-a2a hierarchical, "
                                    "--piper-chunks 2")
+    assert dispatcher_description(job) == ("Piper pipelined all-to-all, 2 chunks of hierarchical exchanges "
+                                           "(intra-node, then inter-node; chunk k+1's exchange overlaps chunk k's "
+                                           f"experts) over expert-parallel groups of {job.top.plan.ep}")
     text = report(job, [], dispatcher_description(job))
     assert f"pinned by the command line: {job.pins.describe()}" in text
     assert f"best: {describe(job.top.plan)}" in text
 
 
-def test_tune_plans_a_pipelined_all_to_all_and_says_the_count_is_measured():
-    with pytest.raises(SpecError, match="--piper-chunks='tune': tuning measures the pipelined.*--piper-a2a flat"):
-        parse_piper_options(["--piper", "--piper-a2a", "flat", "--piper-chunks", "tune"])
+def test_tune_measures_the_chunks_of_either_algorithm_and_says_so():
     with pytest.raises(SpecError, match="--piper-chunks='tune': full recompute runs each MoE layer's forward twice"):
         pins_from(["--recompute-granularity", "full"], parse_piper_options(["--piper", "--piper-chunks", "tune"]))
     argv = BASE + PIPER + ["--piper-chunks", "tune"]
     options = parse_piper_options(argv)
     assert (options.tune, options.chunks) == (True, None)
     job = planned(argv)
-    assert job.result.scored and all(s.plan.a2a == "pipelined" and s.plan.ep > 1 and s.plan.recompute != "full"
-                                     for s in job.result.scored)
+    assert job.result.scored and all(s.plan.ep > 1 and s.plan.recompute != "full" for s in job.result.scored)
+    assert {s.plan.a2a for s in job.result.scored} == {"flat", "hierarchical"}
     assert job.pins.describe() == "--piper-chunks tune"
     text = dispatcher_description(job)
     assert "chunk count measured per MoE layer at run time (1/2/4/8 chunks, 3 steps each, then the fastest; " \
            f"planned with {job.top.plan.a2a_chunks})" in text
+    hierarchical = planned(BASE + PIPER + ["--piper-a2a", "hierarchical", "--piper-chunks", "tune"])
+    assert hierarchical.pins.tune and {s.plan.a2a for s in hierarchical.result.scored} == {"hierarchical"}
+    assert dispatcher_description(hierarchical).startswith("Piper pipelined all-to-all of hierarchical exchanges "
+                                                           "(intra-node, then inter-node), chunk count measured")
+
+
+@pytest.mark.parametrize(("flags", "variants"), [
+    (["--piper-a2a", "hierarchical", "--piper-chunks", "4"], {("hierarchical", 4)}),
+    (["--piper-a2a", "flat", "--piper-chunks", "8"], {("flat", 8)}),
+    (["--piper-a2a", "hierarchical"], {("hierarchical", c) for c in (1, 2, 4, 8)}),
+    (["--piper-chunks", "2"], {("flat", 2), ("hierarchical", 2)}),
+    (["--piper-a2a", "hierarchical", "--piper-chunks", "1"], {("hierarchical", 1)}),  # unpipelined
+])
+def test_algorithm_and_chunks_are_chosen_independently(flags, variants):
+    job = planned(BASE + PIPER + flags)
+    assert job.result.scored and all(s.plan.ep > 1 for s in job.result.scored)
+    assert {(s.plan.a2a, s.plan.a2a_chunks) for s in job.result.scored} == variants
+
+
+def test_piper_plans_never_use_megatrons_ep_overlap():
+    """Megatron's --overlap-moe-expert-parallel-comm runs in its own dispatcher, which --piper
+    replaces: the searched variants leave it out, and every plan is one --piper can run."""
+    from piper_core.runners import megatron_piper
+
+    job = planned(BASE + PIPER)
+    assert job.result.scored and not any(s.plan.ep_comm_overlap for s in job.result.scored)
+    assert all(megatron_piper(s.plan) is None for s in job.result.scored)
+    assert "overlap_moe_expert_parallel_comm" not in megatron_settings(job.model, job.top.plan, job.pins)
+
+
+def test_shared_expert_overlap_follows_what_pipers_dispatcher_runs():
+    """The search overlaps a shared expert with the exchange (Megatron's --moe-shared-expert-overlap);
+    Piper's dispatcher does not run that overlap (pins.SHARED_EXPERT_OVERLAP), so --piper plans,
+    times and exports none, and says so."""
+    from piper_megatron.install import SHARED_NOTE
+    from piper_megatron.pins import SHARED_EXPERT_OVERLAP
+
+    job = planned(BASE + PIPER + ["--moe-shared-expert-intermediate-size", "1024"])
+    settings = megatron_settings(job.model, job.top.plan, job.pins)
+    if SHARED_EXPERT_OVERLAP:  # the dispatcher runs it: the plan's overlap reaches Megatron's arguments
+        assert job.top.plan.shared_expert_overlap and settings["moe_shared_expert_overlap"] is True
+        return
+    assert job.result.scored and not any(s.plan.shared_expert_overlap for s in job.result.scored)
+    assert "moe_shared_expert_overlap" not in settings and SHARED_NOTE in job.notes
+    assert f"piper: note: {SHARED_NOTE}" in report(job, [], dispatcher_description(job))
+
+
+@pytest.mark.parametrize(("legacy", "current"), [
+    (["--piper-a2a", "pipelined", "--piper-chunks", "2"], ["--piper-a2a", "flat", "--piper-chunks", "2"]),
+    (["--piper-a2a", "pipelined"], ["--piper-a2a", "flat", "--piper-chunks", "{top}"]),
+])
+def test_legacy_pipelined_flag_reads_as_flat_chunks_with_a_note(legacy, current):
+    with pytest.warns(FutureWarning, match="--piper-a2a: a2a 'pipelined' is read as a2a 'flat' with"):
+        old = planned(BASE + PIPER + legacy)
+    assert old.result.scored and all(s.plan.a2a == "flat" and s.plan.a2a_chunks >= 2 for s in old.result.scored)
+    note = next(n for n in old.notes if "'pipelined' is read as a2a 'flat'" in n)
+    assert f"piper: note: {note}" in report(old, [], dispatcher_description(old))
+    new = planned(BASE + PIPER + [f.format(top=old.top.plan.a2a_chunks) for f in current])
+    assert old.top.plan == new.top.plan and not any("pipelined" in n for n in new.notes)
 
 
 def test_rewrite_sets_the_plan_and_resets_what_it_does_not_use():

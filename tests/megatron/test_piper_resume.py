@@ -75,8 +75,22 @@ def test_save_records_the_plan_creating_the_directory(prepare, tmp_path):
         assert megatron[dest] == getattr(args, dest)
     assert f"piper: plan recorded in {directory / RECORD_NAME}" in printed
     body = json.loads((directory / RECORD_NAME).read_text())
-    assert body["format"] == 1 and body["layout"]["ep"] == plan.ep
+    assert body["format"] == 2 and body["layout"]["ep"] == plan.ep
+    assert (body["layout"]["shared_expert_overlap"], body["layout"]["ep_comm_overlap"]) == (False, False)
 
+
+@pytest.mark.parametrize("changes", [{"shared_expert_overlap": True, "a2a": "hierarchical", "a2a_chunks": 4},
+                                     {"ep_comm_overlap": True}])
+def test_the_exchange_fields_round_trip(tmp_path, changes):
+    from piper_core.presets import load_model
+    from piper_core.specs.parallel import ParallelPlan
+    from piper_megatron.resume import make_record, write_record
+
+    plan = ParallelPlan(gpus=8, ep=8, global_batch_size=64, **changes)
+    record = make_record(model=load_model("deepseek-v3"), cluster="dgx-h100", plan=plan, label=describe(plan))
+    read = read_record(write_record(tmp_path, record))
+    assert read == record
+    assert ParallelPlan(gpus=8, global_batch_size=64, **read.fields) == plan
 
 def test_only_rank_0_records_and_plan_only_never_does(prepare, tmp_path):
     prepare(BASE + PIPER + ["--save", str(tmp_path / "rank1")], rank=1)
@@ -131,7 +145,8 @@ def test_resume_refuses_another_model(prepare, tmp_path):
 @pytest.mark.parametrize(("flags", "what"), [
     (["--tensor-model-parallel-size", "4"], "tp 2 \\(allowed now: 4; set by --tensor-model-parallel-size"),
     (["--micro-batch-size", "2"], "micro_batch_size 1 .*set by --micro-batch-size"),
-    (["--piper-a2a", "flat"], "a2a \\('pipelined', 2\\) .*set by --piper-a2a or --piper-chunks"),
+    (["--piper-a2a", "flat"], "a2a \\('hierarchical', 2, False\\) .*set by --piper-a2a or --piper-chunks"),
+    (["--piper-chunks", "4"], "a2a \\('hierarchical', 2, False\\) .*set by --piper-a2a or --piper-chunks"),
     (["--piper-off", "use-distributed-optimizer"],
      "distributed_optimizer True .*--piper-off use-distributed-optimizer"),
     (["--piper-off", "sequence-parallel"], "sequence_parallel True .*set by --piper-off sequence-parallel"),
@@ -139,8 +154,8 @@ def test_resume_refuses_another_model(prepare, tmp_path):
 ])
 def test_resume_refuses_a_flag_that_rules_the_recorded_plan_out(prepare, tmp_path, flags, what):
     plan = saved(prepare, tmp_path / "ckpt")
-    assert (plan.tp, plan.micro_batch_size, plan.a2a, plan.distributed_optimizer, plan.recompute) == (
-        2, 1, "pipelined", True, "none")
+    assert (plan.tp, plan.micro_batch_size, plan.a2a, plan.a2a_chunks, plan.distributed_optimizer, plan.recompute) == (
+        2, 1, "hierarchical", 2, True, "none")
     with pytest.raises(SpecError, match=f"--load=.*: its checkpoint was saved with the plan {describe(plan)} .*"
                                         f"rules out its {what}.*; drop or change that flag so that the run resumes"):
         planned(BASE + PIPER + flags + ["--load", str(tmp_path / "ckpt")])
@@ -172,6 +187,33 @@ def test_a_damaged_record_is_an_error(prepare, tmp_path):
     (directory / RECORD_NAME).write_text(json.dumps(body))
     with pytest.raises(SpecError, match="layout=.*must hold exactly tp, pp"):
         planned(BASE + PIPER + ["--load", str(directory)])
+
+
+def test_a_format_1_record_with_pipelined_resumes_as_flat_chunks_with_a_note(prepare, tmp_path):
+    """A record written before the algorithm and the chunks were independent (format 1: no overlap
+    fields, ``a2a: pipelined``) resumes the same plan as the record of today's spelling, with the
+    FutureWarning of ParallelPlan.read_legacy and a note in the report."""
+    flat2 = BASE + PIPER + ["--tensor-model-parallel-size", "2", "--piper-a2a", "flat", "--piper-chunks", "2"]
+    current, legacy = tmp_path / "current", tmp_path / "legacy"
+    plan = saved(prepare, current, flat2)
+    assert (plan.a2a, plan.a2a_chunks) == ("flat", 2)
+    body = json.loads((current / RECORD_NAME).read_text())
+    layout = {k: v for k, v in body["layout"].items() if k not in ("shared_expert_overlap", "ep_comm_overlap")}
+    checkpoint(legacy)
+    (legacy / RECORD_NAME).write_text(json.dumps(body | {"format": 1, "layout": layout | {"a2a": "pipelined"},
+                                                         "plan": body["plan"].replace("flat/2", "pipelined/2")}))
+    with pytest.warns(FutureWarning, match=f"{legacy / RECORD_NAME}: a2a 'pipelined' is read as a2a 'flat' with 2 "
+                                           "chunks"):
+        record = read_record(legacy / RECORD_NAME)
+    assert record.fields == read_record(current / RECORD_NAME).fields
+    with pytest.warns(FutureWarning):
+        installation, _, printed = prepare(BASE + PIPER + ["--load", str(legacy)])
+    assert installation.planned.top.plan == plan == prepare(BASE + PIPER + ["--load", str(current)])[0].planned.top.plan
+    assert (f"(format 1, Piper {body['piper_version']}): its a2a 'pipelined' is read as a2a 'flat' in 2 "
+            "chunks") in printed
+    (legacy / RECORD_NAME).write_text(json.dumps(body | {"format": 1}))  # format 1 has no overlap fields
+    with pytest.raises(SpecError, match="layout=.*must hold exactly tp, .* \\(format 1\\)"):
+        read_record(legacy / RECORD_NAME)
 
 
 # ---- a checkpoint saved without --piper ------------------------------------------------------------

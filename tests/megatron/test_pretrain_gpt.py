@@ -7,10 +7,11 @@ model builder, DDP, optimizer, schedule and logging, with :mod:`piper_megatron.c
 shims; fp32; mock data with a NullTokenizer. Variants, each against a stock run (no ``--piper``)
 of the plan the Piper run validated (shared between variants whose plans agree):
 
-* ``flat``, ``hierarchical``, ``pipelined`` (2 chunks), ``tune`` (``--piper-chunks tune``: each MoE
-  layer runs 1/2/4/8 chunks for 3 calls each, then decides; 4 micro-batches per iteration, so the
-  decision falls in iteration 4 of 5): ep 2 and micro batch 2 pinned, the rest as ``--piper`` sets
-  it (distributed optimizer, overlapped gradient reduction and parameter gathering, alltoall);
+* ``flat``, ``hierarchical``, ``flat2`` and ``hierarchical2`` (pipelined in 2 chunks), ``tune``
+  (``--piper-chunks tune``: each MoE layer runs 1/2/4/8 chunks for 3 calls each, then decides; 4
+  micro-batches per iteration, so the decision falls in iteration 4 of 5): ep 2 and micro batch 2
+  pinned, the rest as ``--piper`` sets it (distributed optimizer, overlapped gradient reduction and
+  parameter gathering, alltoall);
 * ``plan``: nothing pinned, ``--piper`` chooses every size.
 
 Checked: the per-iteration ``lm loss`` of Megatron's log (7 significant digits) within 1e-5
@@ -58,7 +59,8 @@ SIZES = ["--expert-model-parallel-size", "2", "--micro-batch-size", "2"]
 VARIANTS: dict[str, list[str]] = {
     "flat": SIZES + ["--piper-a2a", "flat"],
     "hierarchical": SIZES + ["--piper-a2a", "hierarchical"],
-    "pipelined": SIZES + ["--piper-a2a", "pipelined", "--piper-chunks", "2"],
+    "flat2": SIZES + ["--piper-a2a", "flat", "--piper-chunks", "2"],
+    "hierarchical2": SIZES + ["--piper-a2a", "hierarchical", "--piper-chunks", "2"],
     "tune": SIZES + ["--piper-chunks", "tune"],
     "plan": [],
 }
@@ -172,14 +174,15 @@ def test_megatron_validated_the_plan_piper_printed(runs, variant):
     assert piper.args["overlap_grad_reduce"] is True  # as --piper sets it (the step-time model assumes it)
 
 
-# variant -> (the report's dispatcher line, the trace's algorithm and chunk counts); the pipelined
-# all-to-all runs flat exchanges per chunk
+# variant -> (the report's dispatcher line, the trace's algorithm and chunk counts); a pipelined
+# all-to-all runs the plan's algorithm per chunk
 EXPECTED_DISPATCH = {"flat": ("Piper flat all-to-all", "flat", {1}),
                      "hierarchical": ("Piper hierarchical all-to-all", "hierarchical", {1}),
-                     "pipelined": ("Piper pipelined all-to-all, 2 chunks", "flat", {2})}
+                     "flat2": ("Piper pipelined all-to-all, 2 chunks of flat exchanges", "flat", {2}),
+                     "hierarchical2": ("Piper pipelined all-to-all, 2 chunks of hierarchical", "hierarchical", {2})}
 
 
-@pytest.mark.parametrize("variant", ["flat", "hierarchical", "pipelined"])
+@pytest.mark.parametrize("variant", list(EXPECTED_DISPATCH))
 def test_piper_dispatcher_ran_the_variants_all_to_all(runs, variant):
     piper = runs(f"piper:{variant}")
     records = _trace(variant)

@@ -48,7 +48,7 @@ MEGATRON_FLAGS = frozenset("""
 def mixtral_vpp():
     return predict(MIXTRAL, H100, ParallelPlan(gpus=64, tp=2, sequence_parallel=True, pp=4, vpp=2, cp=2, ep=8, etp=1,
                                                global_batch_size=512, recompute="full", recompute_num_layers=1,
-                                               a2a="pipelined", a2a_chunks=4))
+                                               a2a="hierarchical", a2a_chunks=4))
 
 
 def deepseek_uneven():
@@ -106,7 +106,7 @@ def test_megatron_args_for_a_known_plan(tmp_path):
         "--moe-ffn-hidden-size": str(m.moe_ffn_hidden_size), "--moe-router-topk": str(m.moe_router_topk),
         "--seq-length": str(m.seq_length), "--moe-token-dispatcher-type": "alltoall", "--normalization": "RMSNorm"}
     assert "--fp16" not in f and "--decoder-last-pipeline-num-layers" not in f
-    assert as_flags(arrays["piper"]) == {"--piper-a2a": "pipelined", "--piper-chunks": "4"}
+    assert as_flags(arrays["piper"]) == {"--piper-a2a": "hierarchical", "--piper-chunks": "4"}
     assert env == "1"  # tp > 1: Megatron asserts CUDA_DEVICE_MAX_CONNECTIONS=1
 
 
@@ -307,12 +307,12 @@ def test_plan_cli_writes_exports_and_plots(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["memory.png", "pareto.png", "timeline.png"]
 
 
-def test_megatron_export_of_an_etp_plan_says_piper_cannot_pin_it():
-    """Piper's token dispatcher runs etp 1 (the launcher refuses a pinned etp > 1): the file says so
-    instead of suggesting `--piper` with these sizes."""
+def test_megatron_export_of_an_etp_plan_runs_it_with_piper():
+    """Piper's token dispatcher runs expert tensor parallelism (etp = tp, with sequence parallelism):
+    the file offers `--piper` with the plan's sizes, etp included, and no stock-only note."""
     etp = megatron_args(predict(MIXTRAL, H100, ParallelPlan(gpus=64, tp=2, sequence_parallel=True, ep=8, etp=2,
                                                             global_batch_size=512)))
-    assert "expert tensor parallelism (etp=2): run it with stock Megatron-LM" in etp
-    assert "--piper --piper-cluster" not in etp
+    assert "--expert-tensor-parallel-size 2" in etp and "--sequence-parallel" in etp
+    assert "--piper --piper-cluster" in etp and "run it with stock Megatron-LM" not in etp
     plain = megatron_args(predict(MIXTRAL, H100, ParallelPlan(gpus=64, ep=8, global_batch_size=512)))
     assert "--piper --piper-cluster" in plain and "stock Megatron-LM" not in plain

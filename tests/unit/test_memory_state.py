@@ -66,7 +66,7 @@ def test_offload_rules():
 
 
 SMALL = SearchSpace(tp=(1,), pp=(1,), vpp=(1,), cp=(1,), ep=(8,), mbs=(1,), recompute=("none",),
-                    distributed_optimizer=(True,), a2a=(("flat", 1),))
+                    distributed_optimizer=(True,), a2a=(("flat", 1, False),))
 SHORT = dataclasses.replace(MIXTRAL, num_layers=8)
 
 

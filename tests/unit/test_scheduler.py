@@ -27,7 +27,9 @@ def valid(model, **kw) -> ParallelPlan:
 
 SMALL = SearchSpace(tp=(1, 2, 4), pp=(1, 2, 4), vpp=(1, 2), cp=(1, 2), ep=(1, 2, 4, 8), mbs=(1, 2),
                     recompute=("none", "selective", "full"), distributed_optimizer=(True, False),
-                    a2a=(("flat", 1), ("hierarchical", 1), ("pipelined", 4)), memory_savers=((False, 0.0),))
+                    a2a=(("flat", 1, False), ("hierarchical", 1, False), ("flat", 4, False), ("hierarchical", 2, False),
+                         ("flat", 1, True)),
+                    memory_savers=((False, 0.0),))
 
 
 def brute_force(model, cluster, gpus, gbs, space):
@@ -35,14 +37,15 @@ def brute_force(model, cluster, gpus, gbs, space):
     best, feasible = None, set()
     dims = itertools.product(space.tp, space.pp, space.vpp, space.cp, space.ep, space.etp_equals_tp, space.mbs,
                              space.recompute, space.distributed_optimizer, space.a2a)
-    for tp, pp, vpp, cp, ep, etp_is_tp, mbs, rc, dopt, (algo, chunks) in dims:
-        if ep == 1 and (algo, chunks) != ("flat", 1):
+    for tp, pp, vpp, cp, ep, etp_is_tp, mbs, rc, dopt, (algo, chunks, overlap) in dims:
+        if ep == 1 and (algo, chunks, overlap) != ("flat", 1, False):
             continue
-        try:
+        try:  # Megatron's checks refuse an EP overlap where it cannot run; the search never offers one
             plan = ParallelPlan(gpus=gpus, tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, cp=cp, ep=ep,
                                 etp=tp if etp_is_tp else 1, sequence_parallel=tp > 1, micro_batch_size=mbs,
                                 global_batch_size=gbs, recompute=rc, recompute_num_layers=1 if rc == "full" else None,
-                                distributed_optimizer=dopt, a2a=algo, a2a_chunks=chunks)
+                                distributed_optimizer=dopt, a2a=algo, a2a_chunks=chunks, ep_comm_overlap=overlap,
+                                shared_expert_overlap=bool(model.moe_shared_expert_intermediate_size) and not overlap)
             check_plan(model, plan)
         except SpecError:
             continue
@@ -84,7 +87,9 @@ def _slow_inter(cluster, factor):
 @pytest.mark.parametrize("kw", [
     dict(pp=2, ep=16),
     dict(tp=2, sequence_parallel=True, pp=2, ep=8, a2a="hierarchical"),
-    dict(pp=4, vpp=2, ep=16, a2a="pipelined", a2a_chunks=4),
+    dict(pp=4, vpp=2, ep=16, a2a_chunks=4),
+    dict(pp=4, vpp=2, ep=16, a2a="hierarchical", a2a_chunks=2),
+    dict(pp=4, vpp=2, ep=16, ep_comm_overlap=True),
     dict(ep=16, cp=2, distributed_optimizer=False, recompute="full", recompute_num_layers=2),
     dict(tp=4, etp=1, sequence_parallel=True, ep=16, a2a="hierarchical"),
 ])
@@ -118,7 +123,7 @@ def test_saturated_interconnect_moves_plans_to_dp_pp():
 
 def _a2a_plans(ep=16, chunks=4):
     base = dict(gpus=64, pp=2, ep=ep, global_batch_size=256)
-    return valid(WIDE, **base), valid(WIDE, **base, a2a="pipelined", a2a_chunks=chunks)
+    return valid(WIDE, **base), valid(WIDE, **base, a2a_chunks=chunks)
 
 
 def test_pipelined_hides_communication_when_comm_matches_compute():
@@ -188,5 +193,178 @@ def test_sequence_parallel_off_keeps_moe_at_tp1_and_dense_without_it():
     assert moe.scored and all(s.plan.tp == 1 for s in moe.scored)
     assert moe.rejected["invalid sequence_parallel"] > 0  # Megatron-Core's MoE needs it with tp > 1
     dense = dataclasses.replace(model, num_experts=0, moe_ffn_hidden_size=None, moe_router_topk=1)
-    plans = search(dense, H100, 16, 64, space=dataclasses.replace(space, ep=(1,), a2a=(("flat", 1),))).scored
+    plans = search(dense, H100, 16, 64, space=dataclasses.replace(space, ep=(1,), a2a=(("flat", 1, False),))).scored
     assert any(s.plan.tp > 1 for s in plans) and not any(s.plan.sequence_parallel for s in plans)
+
+
+# --- the search's shortcuts against the unoptimised search --------------------------------------
+# search() shares work between candidates (memory of distributed-optimizer twins, state-only memory
+# bound, one step-time pricing per base plan with only the MoE layer re-priced per exchange variant,
+# memoised layer costs, batched structural rejections, unchecked copies of checked variants).
+# reference_search is the search before those shortcuts, written with the public model functions
+# only: every candidate built and checked, its memory and step time priced from scratch.
+
+def reference_search(model, cluster, gpus, gbs, space=None, memory_headroom=0.0, attention_backend="flash"):
+    from collections import Counter
+
+    from piper_core.errors import Infeasible
+    from piper_core.resource.memory import GIB, stage_memory, with_state_of
+    from piper_core.scheduler.search import RETIME, Scored, SearchResult, _rank_key, _structural, _variants
+    from piper_core.scheduler.space import default_space, grid
+
+    space = space or default_space(model, cluster, gpus)
+    limit = cluster.capacity_gib * GIB * (1.0 - memory_headroom)
+    host_limit = cluster.host_capacity_gib * GIB
+    result = SearchResult(rejected=Counter())
+    fields = [f.name for f in dataclasses.fields(ParallelPlan) if f.init]
+
+    def replace(plan, **changes):
+        return ParallelPlan(**{**{n: getattr(plan, n) for n in fields}, **changes})
+
+    def fit(plan):
+        reason, plain = "exceeds memory", stage_memory(model, plan, cluster)
+        for bf16_grads, offload in space.memory_savers:
+            if offload > 0 and (not plan.distributed_optimizer or host_limit == 0):
+                continue
+            if bf16_grads and plan.precision != "bf16":
+                continue
+            candidate = plan if (bf16_grads, offload) == (False, 0.0) else replace(
+                plan, grad_reduce_in_bf16=bf16_grads, optimizer_offload_fraction=offload)
+            stages = with_state_of(plain, candidate)
+            peak = max(s.total for s in stages)
+            if peak > limit:
+                continue
+            if max(s.host for s in stages) * cluster.gpus_per_node > host_limit:
+                reason = "offloaded optimizer exceeds host memory"
+                continue
+            return candidate, peak, ""
+        return None, 0, reason
+
+    for combo in grid(space):
+        if combo[5] and combo[0] == 1:
+            continue
+        variants = _variants(space, combo)
+        result.candidates += len(variants)
+        kwargs, reason = _structural(model, gpus, gbs, combo, space.sequence_parallel)
+        if kwargs is None:
+            result.rejected[reason] += len(variants)
+            continue
+        try:
+            base = ParallelPlan(**kwargs, attention_backend=attention_backend)
+            check_plan(model, base)
+        except SpecError as exc:
+            result.rejected[f"invalid {exc.key}"] += len(variants)
+            continue
+        try:
+            base, peak, reason = fit(base)
+        except Infeasible as exc:
+            base, reason = None, exc.reason
+        if base is None:
+            result.rejected[reason] += len(variants)
+            continue
+        for algo, chunks, overlap in variants:
+            changes = dict(a2a=algo, a2a_chunks=chunks)
+            if overlap:
+                changes.update(ep_comm_overlap=True, shared_expert_overlap=False)
+            plan = replace(base, **changes)
+            result.scored.append(Scored(plan=plan, step_s=step_time(model, plan, cluster, exact=False).step,
+                                        peak_bytes=peak))
+    ranked = sorted(result.scored, key=_rank_key)
+    head = [dataclasses.replace(s, step_s=step_time(model, s.plan, cluster).step) for s in ranked[:RETIME]]
+    result.scored = head + ranked[RETIME:]
+    return result
+
+
+DEEPSEEK = load_model("deepseek-v3")
+DEEPSEEK_8 = dataclasses.replace(DEEPSEEK, num_layers=8, moe_first_k_dense=1)  # MLA, shared expert, a dense layer
+
+
+# a smaller space than the default (which the speed test runs): every dimension still varies
+DS_SPACE = SearchSpace(tp=(1, 2), pp=(1, 2, 4), vpp=(1, 2), cp=(1, 2), ep=(1, 8, 32, 64), mbs=(1, 2))
+DEEPSEEK_7 = dataclasses.replace(DEEPSEEK_8, num_layers=7)  # pp = 2, 4: uneven last stages
+
+
+def _rows(scored):
+    return [(s.plan, s.step_s, s.peak_bytes) for s in scored]
+
+
+@pytest.mark.parametrize("model, cluster, gpus, gbs, kw", [
+    # MLA + shared expert + a dense first layer, the default space: every exchange variant, EP overlap,
+    # uneven pipeline splits, plans rejected on state alone, plans that fit only with a memory saver
+    (DEEPSEEK_7, "dgx-h100", 64, 256, dict(space=DS_SPACE)),
+    # memory headroom, CPU optimizer offload against the host memory, the default space on another cluster
+    (DEEPSEEK_7, "frontier", 32, 128, dict(space=DS_SPACE, memory_headroom=0.25)),
+    # unfused attention: the activation model refuses cp > 1 (Infeasible), also for plans too big anyway
+    (dataclasses.replace(MIXTRAL, num_layers=8), "dgx-h100", 16, 64,
+     dict(space=dataclasses.replace(SMALL, memory_savers=((False, 0.0), (True, 0.0), (True, 1.0))),
+          attention_backend="unfused")),
+])
+def test_search_equals_the_unoptimised_search(model, cluster, gpus, gbs, kw):
+    cluster = load_cluster(cluster)
+    fast = search(model, cluster, gpus, gbs, **kw)
+    slow = reference_search(model, cluster, gpus, gbs, **kw)
+    assert len(slow.scored) > 100 and sum(slow.rejected.values()) > 100  # not a vacuous comparison
+    top = _rows(slow.best(20))
+    assert len(top) == 20 and len({(p.a2a, p.a2a_chunks, p.ep_comm_overlap, p.ep) for p, _, _ in top}) > 1
+    assert _rows(fast.best(20)) == top  # plans, step times, peaks: exactly
+    assert (fast.candidates, fast.feasible, dict(fast.rejected)) == (slow.candidates, slow.feasible, dict(slow.rejected))
+    assert _rows(fast.scored) == _rows(slow.scored)  # every feasible plan, same order, same numbers
+    assert {hash(s.plan) for s in fast.scored} == {hash(s.plan) for s in slow.scored}  # unchecked copies hash alike
+    if kw.get("attention_backend") == "unfused":
+        assert slow.rejected["unfused attention cannot run with context parallelism"] > 0
+
+
+def test_exchange_variants_price_each_variant_as_step_time():
+    """ExchangeVariants (the search's per-base pricing) gives step_time's closed form to the last bit,
+    for every exchange variant of plans with uneven splits, interleaving, full recompute, EP overlap."""
+    from piper_core.scheduler.search import _with_a2a
+    from piper_core.scheduler.space import A2A_CHOICES
+    from piper_core.timing.step import ExchangeVariants
+
+    bases = [valid(DEEPSEEK, gpus=1024, tp=2, sequence_parallel=True, pp=16, vpp=None, ep=64, etp=1,
+                   global_batch_size=4096, shared_expert_overlap=True, num_layers_in_last_pipeline_stage=1),
+             valid(DEEPSEEK_8, gpus=64, pp=2, vpp=2, ep=32, global_batch_size=256, micro_batch_size=2,
+                   distributed_optimizer=False, recompute="selective", shared_expert_overlap=True),
+             valid(WIDE, gpus=64, pp=2, ep=16, cp=2, global_batch_size=256, recompute="full", recompute_num_layers=1,
+                   grad_reduce_in_bf16=True, optimizer_offload_fraction=0.5)]
+    cache: dict = {}
+    for base in bases:
+        model = DEEPSEEK if base.gpus == 1024 else DEEPSEEK_8 if base.shared_expert_overlap else WIDE
+        timer = ExchangeVariants(model, base, H100, cache)
+        for variant in A2A_CHOICES:
+            if variant[2] and (base.recompute == "full" or (base.pp > 1 and base.vpp is None)):
+                continue
+            plan = _with_a2a(base, *variant)
+            assert timer.step(plan) == step_time(model, plan, H100, exact=False).step
+
+
+def test_fast_exact_pipeline_equals_the_1f1b_simulation():
+    """step_time's exact schedule (no pass records) ends where schedule.simulate_1f1b's last pass ends."""
+    import random
+
+    from piper_core.timing.schedule import makespan, simulate_1f1b
+    from piper_core.timing.step import StageTime, _exact_pipeline
+
+    rng = random.Random(7)
+    for _ in range(40):
+        pp, m = rng.choice((2, 3, 4, 8, 16)), rng.choice((1, 2, 3, 7, 16, 64))
+        stages = tuple(StageTime(stage=i, compute=rng.uniform(0.1, 2), a2a=rng.uniform(0, 0.5),
+                                 comm=rng.uniform(0, 0.3), p2p=rng.uniform(0, 0.01)) for i in range(pp))
+        fwd = [s.compute / 3 + s.a2a / 2 + (s.comm + s.p2p) / 2 for s in stages]
+        bwd = [2 * s.compute / 3 + s.a2a / 2 + (s.comm + s.p2p) / 2 for s in stages]
+        assert _exact_pipeline(stages, m) == makespan(simulate_1f1b(fwd, bwd, m))
+
+
+# Median here (2 shared cores): 4.2-4.7 s at load 0.4-2.7 (python -m piper_core.bench.search_speed; 16.5 s
+# before the shortcuts). About 2.2 s of it is layer_cost (8,500 distinct MoE layer shapes) and
+# stage_memory (4,300 plans that may fit), which the search cannot share further; the bound leaves
+# room for a loaded CI machine.
+SPEED_BOUND_S = 9.0
+
+
+def test_deepseek_v3_on_1024_gpus_searches_within_the_bound():
+    cluster = load_cluster("dgx-h100")
+    result = search(DEEPSEEK, cluster, 1024, 4096)
+    assert result.candidates > 600_000 and result.feasible > 10_000
+    assert result.candidates == result.feasible + sum(result.rejected.values())
+    assert result.elapsed_s <= SPEED_BOUND_S, f"{result.elapsed_s:.2f} s for {result.candidates:,} plans"

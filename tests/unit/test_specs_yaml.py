@@ -33,10 +33,22 @@ def test_cluster_presets_round_trip(tmp_path, name):
 
 def test_plan_round_trip(tmp_path):
     plan = ParallelPlan(gpus=64, tp=2, pp=4, vpp=2, ep=8, etp=1, sequence_parallel=True, global_batch_size=256,
-                        recompute="full", recompute_num_layers=2, a2a="pipelined", a2a_chunks=4)
+                        recompute="full", recompute_num_layers=2, a2a="hierarchical", a2a_chunks=4,
+                        shared_expert_overlap=True)
     path = tmp_path / "p.yaml"
     dump_yaml(plan, path)
     assert load_yaml(ParallelPlan, path) == plan
+
+
+def test_plan_file_with_the_old_pipelined_exchange_is_read_with_a_note(tmp_path):
+    new = ParallelPlan(gpus=8, ep=8, global_batch_size=8, a2a="flat", a2a_chunks=4)
+    path = tmp_path / "old.yaml"
+    path.write_text(dump_yaml(new).replace("a2a: flat", "a2a: pipelined"))
+    with pytest.warns(FutureWarning, match=rf"{path}: a2a 'pipelined' is read as a2a 'flat' with 4 chunks"):
+        assert load_yaml(ParallelPlan, path) == new
+    with pytest.raises(SpecError, match="a2a='pipelined': is no longer an exchange algorithm.*write a2a=flat, "
+                                        "a2a_chunks=4"):
+        ParallelPlan(gpus=8, ep=8, global_batch_size=8, a2a="pipelined", a2a_chunks=4)
 
 
 def test_misspelled_key_names_file_key_and_nearest(tmp_path):

@@ -32,7 +32,12 @@ PLAN_RULES = [
     (dict(sequence_parallel=True), r"sequence_parallel=True: has no effect with tp=1"),
     (dict(recompute="full"), r"recompute_num_layers=None: full recompute needs a layer count"),
     (dict(recompute="selective", recompute_num_layers=2), r"recompute_num_layers=2: applies only to recompute=full"),
-    (dict(a2a="flat", a2a_chunks=4), r"a2a_chunks=4: chunks apply only to a2a=pipelined"),
+    (dict(gpus=8, ep=8, ep_comm_overlap=True, a2a_chunks=4),
+     r"a2a='flat/4': ep_comm_overlap \(--overlap-moe-expert-parallel-comm\) Megatron's overlap runs its own"),
+    (dict(ep_comm_overlap=True), r"ep=1: ep_comm_overlap .* needs expert parallelism"),
+    (dict(gpus=8, pp=2, ep=4, ep_comm_overlap=True), r"vpp=None: ep_comm_overlap .* needs interleaving \(vpp\) when pp > 1"),
+    (dict(gpus=8, ep=8, ep_comm_overlap=True, shared_expert_overlap=True), r"shared_expert_overlap=True: "
+     "ep_comm_overlap .* is refused by Megatron"),
     (dict(tp=0), r"tp=0: must be a positive number"),
     (dict(recompute="fulll"), r"recompute='fulll': must be one of \['none', 'selective', 'full'\]; did you mean 'full'"),
     (dict(a2a="hierachical"), r"a2a='hierachical': must be one of .*did you mean 'hierarchical'"),

@@ -1,0 +1,52 @@
+"""Which runtime can run a plan: stock Megatron-LM, Megatron-LM with ``--piper``, stock DeepSpeed-MoE,
+DeepSpeed-MoE with a ``piper`` block. Each rule returns why not (None: it can), so a plan report can
+put the best plan of each runtime side by side and say why the faster one is out of the other's reach.
+
+Stock runs each exchange flat in one piece (Megatron-Core's ``MoEAlltoAllTokenDispatcher``,
+DeepSpeed's ``_AllToAll``); a hierarchical or a pipelined (chunked) exchange is Piper's. Megatron's
+own EP overlap (``--overlap-moe-expert-parallel-comm``) runs only on its stock dispatcher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from piper_core.export import deepspeed_compatible
+from piper_core.specs.parallel import ParallelPlan
+
+Rule = Callable[[ParallelPlan], "str | None"]
+
+
+def _stock_exchange(plan: ParallelPlan) -> str | None:
+    if plan.a2a != "flat":
+        return f"a2a={plan.a2a}: the stock dispatchers exchange flat (the staged exchange is Piper's)"
+    if plan.a2a_chunks > 1:
+        return f"chunks={plan.a2a_chunks}: the stock dispatchers do not pipeline the exchange (Piper's)"
+    return None
+
+
+def megatron_stock(plan: ParallelPlan) -> str | None:
+    return _stock_exchange(plan)
+
+
+def megatron_piper(plan: ParallelPlan) -> str | None:
+    if plan.ep_comm_overlap:
+        return ("ep_comm_overlap: Megatron's --overlap-moe-expert-parallel-comm runs on its own dispatcher, which "
+                "--piper replaces")
+    return None
+
+
+def deepspeed_stock(plan: ParallelPlan) -> str | None:
+    if plan.shared_expert_overlap or plan.ep_comm_overlap:
+        return "DeepSpeed-MoE has no exchange/compute overlap option"
+    return deepspeed_compatible(plan) or _stock_exchange(plan)
+
+
+def deepspeed_piper(plan: ParallelPlan) -> str | None:
+    if plan.shared_expert_overlap or plan.ep_comm_overlap:
+        return "Piper's DeepSpeed-MoE layer has no shared expert and no Megatron EP overlap"
+    return deepspeed_compatible(plan)
+
+
+RUNNERS: dict[str, Rule] = {"megatron --piper": megatron_piper, "megatron stock": megatron_stock,
+                            "deepspeed piper": deepspeed_piper, "deepspeed stock": deepspeed_stock}
