@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 # disturb their timings
 REALTIME := $(if $(filter 0,$(shell id -u)),--realtime,)
 
-.PHONY: install run calibrate validate test test-unit test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke clean
+.PHONY: install run calibrate validate test test-unit test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -53,6 +53,12 @@ bench-alltoall: install
 
 bench-alltoall-smoke: install
 	$(PYTEST) -m slow tests/emulate
+
+# Real Megatron-Core and DeepSpeed-MoE training, stock vs Piper's exchanges, on the emulated cluster
+# (root; hours on 2 cores: docs/e2e.md). E2E_ARGS narrows it, e.g. E2E_ARGS="--frameworks megatron
+# --topologies 2x1 --mbits 5".
+bench-e2e: install
+	$(PY) -m piper_core.bench.e2e $(E2E_ARGS)
 
 # Every tier runs on its own so that a tier collecting no test fails the run (pytest exit 5).
 test: install test-unit test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed

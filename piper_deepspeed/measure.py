@@ -45,7 +45,9 @@ def init_deepspeed_comm() -> None:
 
 def ds_config(job: TrainJob) -> dict[str, Any]:
     """The DeepSpeed config of ``job``: its batch, bf16, ZeRO 0, Adam, and a piper block pinned to its
-    plan (so :func:`piper_deepspeed.initialize` rewrites nothing and runs the plan's all-to-all)."""
+    plan (so :func:`piper_deepspeed.initialize` rewrites nothing and runs the plan's all-to-all; its
+    chunk count tuned at run time with ``job.tune``). ``job.stock``: no block, so DeepSpeed's own MoE
+    layer runs (the model is built for ``plan.ep`` either way)."""
     plan = job.plan
     if plan.pp != 1 or plan.cp != 1 or plan.etp_size != 1:
         from piper_core.export import plan_label
@@ -57,12 +59,15 @@ def ds_config(job: TrainJob) -> dict[str, Any]:
         raise SpecError("attention_backend", plan.attention_backend, "Piper's DeepSpeed builder runs torch's "
                         "scaled_dot_product_attention, which keeps no score matrix: the model prices it as flash",
                         "set attention_backend=flash in the plan")
-    return {"train_batch_size": plan.global_batch_size, "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-            "gradient_accumulation_steps": plan.num_microbatches, "bf16": {"enabled": True},
-            "zero_optimization": {"stage": 0},
-            "optimizer": {"type": "Adam", "params": {"lr": job.lr, "torch_adam": True}},
-            "piper": {"cluster": "cpu-local", "model": to_dict(job.model), "a2a": plan.a2a, "chunks": plan.a2a_chunks,
-                      "plan": {"ep": plan.ep, "mbs": plan.micro_batch_size}}}
+    config = {"train_batch_size": plan.global_batch_size, "train_micro_batch_size_per_gpu": plan.micro_batch_size,
+              "gradient_accumulation_steps": plan.num_microbatches, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": 0},
+              "optimizer": {"type": "Adam", "params": {"lr": job.lr, "torch_adam": True}}}
+    if job.stock:  # no block: piper_deepspeed.initialize hands DeepSpeed the very same objects
+        return config
+    return config | {"piper": {"cluster": "cpu-local", "model": to_dict(job.model), "a2a": plan.a2a,
+                               "chunks": "tune" if job.tune else plan.a2a_chunks,
+                               "plan": {"ep": plan.ep, "mbs": plan.micro_batch_size}}}
 
 
 def _train(job: TrainJob) -> dict[str, Any]:

@@ -96,7 +96,8 @@ def _train(job: TrainJob, ranks_per_node: int, trace_dir: Path) -> dict[str, Any
         if model.is_moe and not job.stock:
             comm = create_ep_comm(NodeTopology.uniform(world_size=world, ranks_per_node=ranks_per_node))
             tracer = Tracer(trace_dir / f"trace.rank{rank}.jsonl", rank=rank)
-            patches = install_dispatcher(comm, DispatchSettings.from_plan(plan.a2a, plan.a2a_chunks), tracer=tracer)
+            patches = install_dispatcher(comm, DispatchSettings.from_plan(plan.a2a, plan.a2a_chunks, tune=job.tune),
+                                         tracer=tracer)
         tensor_parallel.model_parallel_cuda_manual_seed(job.seed)
         torch.manual_seed(job.seed)
         gpt = gpt_model(model, plan, device="cpu", **_config_overrides())

@@ -31,6 +31,7 @@ class TrainJob:
     lr: float = 1e-3
     forward_steps: int = 0  # extra forward-only passes timed after training (the host-overhead probe)
     sync_grads: bool = True  # False: no data-parallel gradient reduction (the probe times one rank's work)
+    tune: bool = False  # Piper's chunk count measured per MoE layer at run time (--piper-chunks tune)
 
     def __post_init__(self) -> None:
         from piper_core.errors import SpecError
@@ -49,13 +50,15 @@ class TrainJob:
     def to_json(self) -> dict[str, Any]:
         return {"model": to_dict(self.model), "plan": to_dict(self.plan), "steps": self.steps,
                 "warmup": self.warmup, "stock": self.stock, "seed": self.seed, "lr": self.lr,
-                "forward_steps": self.forward_steps, "sync_grads": self.sync_grads}
+                "forward_steps": self.forward_steps, "sync_grads": self.sync_grads,
+                "tune": self.tune}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainJob:
         return cls(model=from_dict(ModelSpec, d["model"], where="job"), plan=from_dict(ParallelPlan, d["plan"], where="job"),
                    steps=d["steps"], warmup=d["warmup"], stock=d["stock"], seed=d["seed"], lr=d["lr"],
-                   forward_steps=d.get("forward_steps", 0), sync_grads=d.get("sync_grads", True))
+                   forward_steps=d.get("forward_steps", 0), sync_grads=d.get("sync_grads", True),
+                   tune=d.get("tune", False))
 
 
 class _Box:

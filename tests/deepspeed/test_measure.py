@@ -31,6 +31,17 @@ def test_config_pins_the_plan_in_bf16_at_zero_0() -> None:
     assert (block.a2a, block.chunks, block.plan.ep, block.plan.mbs) == ("hierarchical", 2, 2, 2)
 
 
+def test_stock_runs_deepspeeds_layer_and_tune_asks_the_block_to_tune() -> None:
+    """``stock``: no block (DeepSpeed's own MoE layer, the bench-e2e baseline); ``tune``: the block's
+    chunks are measured per layer at run time."""
+    import dataclasses
+
+    job = _job(a2a="flat", a2a_chunks=2)
+    stock = ds_config(dataclasses.replace(job, stock=True))
+    assert "piper" not in stock and {k: v for k, v in ds_config(job).items() if k != "piper"} == stock
+    assert PiperConfig.from_block(ds_config(dataclasses.replace(job, tune=True))["piper"]).chunks == "tune"
+
+
 @pytest.mark.parametrize(("plan", "message"), [
     ({"pp": 2, "ep": 1}, "measures pp = cp = etp = 1 plans"),
     ({"attention_backend": "unfused"}, "scaled_dot_product_attention.*set attention_backend=flash"),

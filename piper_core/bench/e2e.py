@@ -1,0 +1,307 @@
+"""End-to-end training benchmark: the stock dispatcher / MoE layer against Piper's exchanges, in real
+Megatron-Core and DeepSpeed-MoE training on the emulated cluster (:mod:`piper_core.emulate`; root).
+
+Run: ``python -m piper_core.bench.e2e [--frameworks megatron,deepspeed] [--topologies 2x1,2x2]
+[--mbits 5,1000] [--rounds 5] [--json FILE] [--report FILE.md]`` (``make bench-e2e``; the full grid
+takes hours on 2 cores: see :func:`estimate_s`).
+
+For each case (framework x topology x link rate) the benchmark
+
+1. calibrates the model on this machine for that case (``piper calibrate --emulate NxR
+   --inter-node-mbit M --framework F --quick``), unless ``--profiles DIR`` already holds the profile;
+2. **declares** before any timed run, from that profile and the rule in :func:`declare` (committed
+   code, not a choice made after the fact): the plan's sizes (fixed: ep = world, the model and batch
+   below), the chunk count ``N`` of the pipelined variants (the model's best count >= 2) and the
+   **judged variant**, the model's pick among Piper's exchanges (algorithm x chunks 1/2/4/8). The
+   declaration is written to the results before the first measurement and printed;
+3. runs every variant, ``stock``, ``flat/1``, ``hierarchical/1``, ``flat/N``, ``hierarchical/N``,
+   ``flat/tune``, ``hierarchical/tune``, as separate jobs, rounds interleaved (round r runs every
+   variant once, in an order rotated by r), ``--rounds`` rounds (>= 5 for a result);
+4. reports per variant the median step (the slowest rank's step time, median over timed steps, then
+   median over rounds) with its spread (min-max over rounds), the speedup over stock, the gain of
+   pipelining apart from the transport (``X/N`` over ``X/1``, same algorithm), the exchange share of
+   the stock step (the model's, from the profile), and the model's predicted step beside each.
+
+Every run counts: nothing is dropped, a failed run is recorded with its error and fails the verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from piper_core.specs.model import ModelSpec
+from piper_core.specs.parallel import ParallelPlan
+
+# The judged job (fixed before any run): a 4-layer MoE decoder small enough that a bf16 step on a
+# CPU core takes about a second, so a slow link makes the exchange a large share of the step.
+# Capacity factor 1.0, padded (as piper validate's models: dropless routing would time oneDNN's
+# primitive creation for every new expert row count, piper_core/validate/cases.py).
+MODEL = ModelSpec(name="e2e-moe", num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
+                  num_experts=4, moe_ffn_hidden_size=512, moe_router_topk=1, moe_capacity_factor=1.0,
+                  vocab_size=1024, seq_length=128, normalization="LayerNorm", gated_linear_unit=False)
+MICRO_BATCH, MICRO_BATCHES = 2, 2  # per data-parallel rank
+FRAMEWORKS = ("megatron", "deepspeed")
+TARGETS = {"megatron": "piper_megatron.train:rank_main", "deepspeed": "piper_deepspeed.measure:rank_main"}
+TOPOLOGIES = ((2, 1), (2, 2))
+MBITS = (5.0, 1000.0)  # a slow link (the exchange a large share of the step) and a fast one (a small share)
+ROUNDS, STEPS, WARMUP = 5, 6, 2
+CHUNK_CHOICES = (1, 2, 4, 8)
+TUNE_CALLS = 4 * 3  # AutoChunks over 1/2/4/8 chunks, 3 trials each, counted in MoE layer calls (micro-batches)
+RUN_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Case:
+    """One framework on one emulated cluster."""
+
+    framework: str
+    nodes: int
+    ranks_per_node: int
+    mbit: float
+
+    @property
+    def name(self) -> str:
+        return f"{self.framework}-{self.nodes}x{self.ranks_per_node}-{self.mbit:g}mbit"
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
+def base_plan(case: Case) -> ParallelPlan:
+    """The plan every variant of ``case`` shares: ep = world (every rank holds its experts), bf16,
+    no distributed optimizer (the CPU trainers' limits, piper_core.validate.instrument.TrainJob);
+    Megatron's CPU path runs unfused attention, Piper's DeepSpeed model torch's SDPA (priced as flash)."""
+    return ParallelPlan(gpus=case.world, ep=case.world, micro_batch_size=MICRO_BATCH,
+                        global_batch_size=MICRO_BATCH * MICRO_BATCHES * case.world, distributed_optimizer=False,
+                        attention_backend="unfused" if case.framework == "megatron" else "flash")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Variant:
+    """``stock``, or Piper's ``algorithm`` in ``chunks`` (``tune``: counted at run time)."""
+
+    name: str
+    stock: bool = False
+    algorithm: str = "flat"
+    chunks: int = 1
+    tune: bool = False
+
+    def plan(self, base: ParallelPlan) -> ParallelPlan:
+        return dataclasses.replace(base, a2a=self.algorithm, a2a_chunks=self.chunks)
+
+
+def variants(chunks: int) -> tuple[Variant, ...]:
+    """Every variant the issue asks for, with the declared chunk count ``chunks`` (>= 2)."""
+    out = [Variant(name="stock", stock=True)]
+    for algorithm in ("flat", "hierarchical"):
+        out.append(Variant(name=f"{algorithm}/1", algorithm=algorithm))
+    for algorithm in ("flat", "hierarchical"):
+        out.append(Variant(name=f"{algorithm}/{chunks}", algorithm=algorithm, chunks=chunks))
+    for algorithm in ("flat", "hierarchical"):
+        out.append(Variant(name=f"{algorithm}/tune", algorithm=algorithm, chunks=chunks, tune=True))
+    return tuple(out)
+
+
+def warmup_steps(variant: Variant) -> int:
+    """Untimed steps: :data:`WARMUP`, plus the tuning steps of a tuned variant (every MoE layer
+    measures :data:`TUNE_CALLS` calls, one per micro-batch), so the timed steps run the choice."""
+    if not variant.tune:
+        return WARMUP
+    return WARMUP + -(-TUNE_CALLS // MICRO_BATCHES)
+
+
+def declare(case: Case, cluster: Any) -> dict[str, Any]:
+    """The declaration of ``case`` from the calibrated ``cluster``, made before any timed run: the
+    predicted step of stock and of every Piper exchange (algorithm x chunks), the judged variant
+    (Piper's best predicted; ties to fewer chunks, then flat) and the chunk count of the pipelined
+    variants (the best predicted >= 2 of either algorithm), and the exchange's share of the
+    predicted stock step."""
+    from piper_core.timing.step import step_time
+
+    base = base_plan(case)
+    predicted = {}
+    for algorithm in ("flat", "hierarchical"):
+        for chunks in CHUNK_CHOICES:
+            predicted[f"{algorithm}/{chunks}"] = step_time(MODEL, dataclasses.replace(
+                base, a2a=algorithm, a2a_chunks=chunks), cluster).step
+    stock = step_time(MODEL, base, cluster)  # the stock dispatcher's exchange is priced as flat/1
+    order = sorted(predicted, key=lambda k: (round(predicted[k], 9), int(k.split("/")[1]), k.split("/")[0] != "flat"))
+    piped = [k for k in order if k.split("/")[1] != "1"]
+    return {"case": case.name, "plan": {"gpus": base.gpus, "ep": base.ep, "mbs": base.micro_batch_size,
+                                        "gbs": base.global_batch_size, "attention": base.attention_backend},
+            "judged": order[0], "chunks": int(piped[0].split("/")[1]), "predicted_s": predicted,
+            "predicted_stock_s": stock.step, "exchange_share_of_stock": stock.exposed_a2a / stock.step,
+            "cluster": cluster.name}
+
+
+def calibrate(case: Case, profiles: Path) -> Path:
+    """The calibration profile of ``case`` in ``profiles`` (made with ``piper calibrate --quick`` if
+    absent; a profile is of the machine it was made on)."""
+    path = profiles / f"{case.name}.yaml"
+    if not path.exists():
+        profiles.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "piper_core.cli.main", "calibrate", "--out", str(path), "--emulate",
+               f"{case.nodes}x{case.ranks_per_node}", "--inter-node-mbit", f"{case.mbit:g}", "--framework",
+               case.framework, "--quick", "--realtime"]
+        print("$ " + " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True)
+    return path
+
+
+def run_variant(case: Case, variant: Variant) -> dict[str, Any]:
+    """One job of ``variant`` on ``case``'s emulated cluster: the slowest rank's step times, the
+    losses, or the error."""
+    from piper_core.validate.instrument import TrainJob, launch, summary
+
+    warm = warmup_steps(variant)
+    job = TrainJob(model=MODEL, plan=variant.plan(base_plan(case)), steps=warm + STEPS - WARMUP, warmup=warm,
+                   stock=variant.stock, tune=variant.tune)
+    start = time.perf_counter()
+    try:
+        reports = launch(TARGETS[case.framework], job, nodes=case.nodes, inter_node_mbit=case.mbit,
+                         timeout_s=RUN_TIMEOUT_S, realtime=True)
+    except Exception as exc:  # recorded, counted as a failure of the verdict
+        return {"variant": variant.name, "error": f"{type(exc).__name__}: {exc}", "wall_s": time.perf_counter() - start}
+    s = summary(reports)
+    timed = s["step_s"][warm:]
+    return {"variant": variant.name, "step_s": statistics.median(timed), "steps_s": s["step_s"], "warmup": warm,
+            "losses": s["losses"], "wall_s": time.perf_counter() - start}
+
+
+def rounds_order(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: the variants rotated by ``r`` (so no variant always runs first)."""
+    k = r % len(names)
+    return names[k:] + names[:k]
+
+
+def stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and spread (min, max) of the per-round medians; failures counted."""
+    ok = [r["step_s"] for r in runs if "step_s" in r]
+    failed = len(runs) - len(ok)
+    if not ok:
+        return {"median_s": None, "min_s": None, "max_s": None, "rounds": 0, "failed": failed}
+    return {"median_s": statistics.median(ok), "min_s": min(ok), "max_s": max(ok), "rounds": len(ok),
+            "failed": failed}
+
+
+def summarize(declared: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per variant: stats, speedup over stock, predicted step; the pipelining gain per algorithm
+    (X/N over X/1); and the verdicts the issue states, with the judged variant."""
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by.setdefault(r["variant"], []).append(r)
+    table = {name: stats(rs) for name, rs in by.items()}
+    stock = table.get("stock", {}).get("median_s")
+    n = declared["chunks"]
+    for name, row in table.items():
+        row["speedup_vs_stock"] = stock / row["median_s"] if stock and row["median_s"] else None
+        key = name if not name.endswith("/tune") else f"{name.split('/')[0]}/{n}"
+        row["predicted_s"] = declared["predicted_stock_s"] if name == "stock" else declared["predicted_s"].get(key)
+        row["model_error"] = (row["predicted_s"] / row["median_s"] - 1) if row["predicted_s"] and row["median_s"] else None
+    gains = {}
+    for algorithm in ("flat", "hierarchical"):
+        one, piped = table.get(f"{algorithm}/1", {}), table.get(f"{algorithm}/{n}", {})
+        if one.get("median_s") and piped.get("median_s"):
+            gains[algorithm] = one["median_s"] / piped["median_s"]
+    judged = table.get(declared["judged"], {})
+    share = declared["exchange_share_of_stock"]
+    verdict = {"judged": declared["judged"], "speedup_vs_stock": judged.get("speedup_vs_stock"),
+               "pipelining_gain": gains, "failed_runs": sum(r["failed"] for r in table.values())}
+    if share >= 0.40:
+        verdict["target"] = "exchange >= 40 % of the stock step: judged >= 1.3x stock, pipelining >= 1.2x"
+        verdict["met"] = bool(verdict["speedup_vs_stock"] and verdict["speedup_vs_stock"] >= 1.3
+                              and max(gains.values(), default=0) >= 1.2 and not verdict["failed_runs"])
+    elif share < 0.10:
+        verdict["target"] = "exchange < 10 % of the stock step: judged no more than 3 % slower than stock"
+        verdict["met"] = bool(verdict["speedup_vs_stock"] and verdict["speedup_vs_stock"] >= 1 / 1.03
+                              and not verdict["failed_runs"])
+    else:
+        verdict["target"] = "exchange 10-40 % of the stock step: no target; reported"
+        verdict["met"] = None
+    return {"table": table, "pipelining_gain": gains, "verdict": verdict}
+
+
+def estimate_s(cases: list[Case], rounds: int, per_run_s: float = 45.0) -> float:
+    """A rough wall time: 7 variants x rounds x cases runs of about ``per_run_s``, plus ~3 min of
+    calibration per case."""
+    return len(cases) * (rounds * 7 * per_run_s + 180.0)
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from piper_core.calibrate.profile import load_profile
+    from piper_core.emulate import emulation_available
+
+    p = argparse.ArgumentParser(prog="python -m piper_core.bench.e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    p.add_argument("--topologies", default=",".join(f"{n}x{r}" for n, r in TOPOLOGIES), help="NODESxRANKS,...")
+    p.add_argument("--mbits", default=",".join(f"{m:g}" for m in MBITS), help="inter-node link rates, Mbit/s")
+    p.add_argument("--rounds", type=int, default=ROUNDS)
+    p.add_argument("--profiles", type=Path, default=Path(".piper/e2e-profiles"),
+                   help="calibration profiles of this machine, one per case (made if absent)")
+    p.add_argument("--json", type=Path, default=Path("docs/e2e/results.json"), help="results (written after every run)")
+    a = p.parse_args(argv)
+    why = emulation_available()
+    if why is not None:
+        print(f"piper bench-e2e: the emulated cluster cannot be built here: {why}", file=sys.stderr)
+        return 2
+    cases = [Case(framework=f, nodes=int(t.split("x")[0]), ranks_per_node=int(t.split("x")[1]), mbit=float(m))
+             for f in a.frameworks.split(",") for t in a.topologies.split(",") for m in a.mbits.split(",")]
+    out: dict[str, Any] = {"command": "python -m piper_core.bench.e2e " + " ".join(argv or sys.argv[1:]),
+                           "commit": _git_commit(), "machine": {"cpu": platform.processor() or platform.machine(),
+                                                                "python": platform.python_version()},
+                           "model": dataclasses.asdict(MODEL), "rounds": a.rounds, "steps_timed": STEPS - WARMUP,
+                           "cases": []}
+    print(f"piper bench-e2e: {len(cases)} cases x 7 variants x {a.rounds} rounds, about "
+          f"{estimate_s(cases, a.rounds) / 3600:.1f} h", flush=True)
+    for case in cases:
+        cluster = load_profile(calibrate(case, a.profiles))
+        declared = declare(case, cluster)
+        entry = {"declared": declared, "runs": []}
+        out["cases"].append(entry)
+        _write(a.json, out)
+        print(f"[{case.name}] declared before the runs: judged {declared['judged']}, pipelined variants in "
+              f"{declared['chunks']} chunks; predicted exchange share of the stock step "
+              f"{declared['exchange_share_of_stock']:.0%}", flush=True)
+        names = [v.name for v in variants(declared["chunks"])]
+        by_name = {v.name: v for v in variants(declared["chunks"])}
+        for r in range(a.rounds):
+            for name in rounds_order(names, r):
+                run = run_variant(case, by_name[name]) | {"round": r}
+                entry["runs"].append(run)
+                _write(a.json, out)
+                shown = f"{run['step_s']:.3f} s" if "step_s" in run else run["error"]
+                print(f"[{case.name}] round {r + 1}/{a.rounds} {name:18s} {shown}  ({run['wall_s']:.0f} s wall)",
+                      flush=True)
+        entry["summary"] = summarize(declared, entry["runs"])
+        _write(a.json, out)
+    from piper_core.bench.e2e_report import report
+
+    print(report(out))
+    return 0
+
+
+def _write(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

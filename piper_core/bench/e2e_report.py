@@ -1,0 +1,62 @@
+"""Markdown tables of :mod:`piper_core.bench.e2e` results (``results.json``): one table per case,
+every variant with its median step, spread, speedup over stock and the model's predicted step, then
+the pipelining gain and the verdict against the declared judged variant.
+
+Run: ``python -m piper_core.bench.e2e_report docs/e2e/results.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _s(x: float | None, fmt: str = "{:.3f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def case_table(entry: dict[str, Any]) -> str:
+    """The table of one case (its ``summary`` made from its runs so far if absent)."""
+    from piper_core.bench.e2e import summarize
+
+    declared = entry["declared"]
+    summary = entry.get("summary") or summarize(declared, entry["runs"])
+    lines = [f"**{declared['case']}** (plan ep {declared['plan']['ep']}, mbs {declared['plan']['mbs']}, "
+             f"gbs {declared['plan']['gbs']}; predicted from `{declared['cluster']}`): declared before the runs: "
+             f"judged `{declared['judged']}`, pipelined variants in {declared['chunks']} chunks; the model puts "
+             f"the exchange at {declared['exchange_share_of_stock']:.0%} of the stock step.", "",
+             "| variant | rounds | median step s | spread (min-max) s | vs stock | predicted s | model error |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, row in summary["table"].items():
+        judged = " (judged)" if name == declared["judged"] else ""
+        failed = f" ({row['failed']} failed)" if row["failed"] else ""
+        lines.append(f"| `{name}`{judged} | {row['rounds']}{failed} | {_s(row['median_s'])} | "
+                     f"{_s(row['min_s'])}-{_s(row['max_s'])} | {_s(row['speedup_vs_stock'], '{:.2f}x')} | "
+                     f"{_s(row['predicted_s'])} | {_s(row['model_error'], '{:+.0%}')} |")
+    gains = ", ".join(f"{a}/{declared['chunks']} over {a}/1: {g:.2f}x" for a, g in summary["pipelining_gain"].items())
+    v = summary["verdict"]
+    met = {True: "met", False: "NOT met", None: "-"}[v["met"]]
+    lines += ["", f"Pipelining alone (same exchange): {gains or '-'}. Target: {v['target']}: **{met}** "
+                  f"(judged `{v['judged']}` {_s(v['speedup_vs_stock'], '{:.2f}x')} stock; failed runs "
+                  f"{v['failed_runs']})."]
+    return "\n".join(lines)
+
+
+def report(results: dict[str, Any]) -> str:
+    """Every case's table, with the command and commit that produced them."""
+    head = [f"Command: `{results['command']}` at commit `{results['commit']}` on {results['machine']['cpu']}; "
+            f"{results['rounds']} rounds interleaved, {results['steps_timed']} timed steps per run."]
+    return "\n\n".join(head + [case_table(e) for e in results["cases"] if e["runs"]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    path = Path(argv[0] if argv else "docs/e2e/results.json")
+    print(report(json.loads(path.read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
