@@ -25,7 +25,7 @@ import torch.distributed as dist
 from piper_core.errors import SpecError
 from piper_core.runtime import timeouts
 from piper_core.runtime.groups import A2AComm
-from piper_core.runtime.routes import Route, Scope, StagePlan, plan_route
+from piper_core.runtime.routes import Route, StagePlan, plan_route
 from piper_core.runtime.topology import Algorithm
 
 
@@ -166,9 +166,10 @@ class PendingExchange:
             return
         out = buf.new_empty((sum(stage.output_splits), *buf.shape[1:]))
         what = self._what(stage)
-        if stage.spec.p2p or (stage.spec.scope is Scope.ALL and _is_gloo(self._comm.group)):
-            # gloo's all_to_all_single often runs a link one direction at a time; point-to-point
-            # messages with every receive posted first use both directions (same rows, same order)
+        if stage.spec.p2p or _is_gloo(self._comm.group):
+            # gloo's all_to_all_single often runs a link one direction at a time, on every stage of a
+            # hierarchical exchange as on a flat one; point-to-point messages with every receive
+            # posted first use both directions (same rows, same order)
             works = timeouts.launch(what, lambda: _post_p2p(out, buf, stage, self._comm))
         else:
             group = self._comm.group_for(stage.spec.scope)
@@ -199,19 +200,17 @@ def _post_p2p(out: torch.Tensor, buf: torch.Tensor, stage: StagePlan, comm: A2AC
     know the counts); the rows that stay are copied locally. ``batch_isend_irecv`` groups the
     messages, which NCCL needs when two ranks send to each other. Every receive is posted before
     any send (gloo runs the ops in list order): a link then carries both directions at once."""
-    if stage.spec.scope is not Scope.ALL:
-        raise RuntimeError(f"p2p stage {stage.spec.name!r} must span the whole group")
     ranks, recv_ops, send_ops = comm.layout.ranks, [], []
-    sends = torch.split(buf, list(stage.input_splits))
+    sends = torch.split(buf, list(stage.input_splits))  # by group rank, as members
     recvs = torch.split(out, list(stage.output_splits))
-    for peer in stage.members:
+    for i, peer in enumerate(stage.members):
         if peer == comm.me:
-            recvs[peer].copy_(sends[peer])
+            recvs[i].copy_(sends[i])
             continue
-        if recvs[peer].shape[0]:
-            recv_ops.append(dist.P2POp(dist.irecv, recvs[peer], ranks[peer], group=comm.group))
-        if sends[peer].shape[0]:
-            send_ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), ranks[peer], group=comm.group))
+        if recvs[i].shape[0]:
+            recv_ops.append(dist.P2POp(dist.irecv, recvs[i], ranks[peer], group=comm.group))
+        if sends[i].shape[0]:
+            send_ops.append(dist.P2POp(dist.isend, sends[i].contiguous(), ranks[peer], group=comm.group))
     ops = recv_ops + send_ops
     return dist.batch_isend_irecv(ops) if ops else []
 
