@@ -2,10 +2,10 @@
 Megatron-Core and DeepSpeed-MoE training on the emulated cluster (:mod:`piper_core.emulate`; root).
 
 Run: ``python -m piper_core.bench.e2e [--frameworks megatron,deepspeed] [--topologies 2x1,2x2]
-[--mbits 5,1000] [--rounds 5] [--json FILE] [--report FILE.md]`` (``make bench-e2e``; the full grid
-takes hours on 2 cores: see :func:`estimate_s`).
+[--mbits 5,1000] [--workloads small,wide] [--rounds 5] [--profiles DIR] [--json FILE]`` (``make
+bench-e2e``; the full grid takes hours on 2 cores: see :func:`estimate_s`).
 
-For each case (framework x topology x link rate) the benchmark
+For each case (workload x framework x topology x link rate) the benchmark
 
 1. calibrates the model on this machine for that case (``piper calibrate --emulate NxR
    --inter-node-mbit M --framework F --quick``), unless ``--profiles DIR`` already holds the profile;
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -42,14 +43,35 @@ from typing import Any
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 
-# The judged job (fixed before any run): a 4-layer MoE decoder small enough that a bf16 step on a
-# CPU core takes about a second, so a slow link makes the exchange a large share of the step.
-# Capacity factor 1.0, padded (as piper validate's models: dropless routing would time oneDNN's
-# primitive creation for every new expert row count, piper_core/validate/cases.py).
+# The jobs (fixed before any run), each a workload: a model and the micro-batches each data-parallel
+# rank runs per step (micro-batch size MICRO_BATCH). Capacity factor 1.0, padded (as piper validate's
+# models: dropless routing would time oneDNN's primitive creation for every new expert row count,
+# piper_core/validate/cases.py).
+# ``small``: a 4-layer MoE decoder whose bf16 step on a CPU core is a fraction of a second, so a slow
+# link makes the exchange a large share of the step, with little expert compute to hide it behind.
 MODEL = ModelSpec(name="e2e-moe", num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512,
                   num_experts=4, moe_ffn_hidden_size=512, moe_router_topk=1, moe_capacity_factor=1.0,
                   vocab_size=1024, seq_length=128, normalization="LayerNorm", gated_linear_unit=False)
-MICRO_BATCH, MICRO_BATCHES = 2, 2  # per data-parallel rank
+# ``wide``: experts 16x wider (expert GEMMs comparable to the exchange at tens of Mbit/s on a core with
+# bf16 instructions), a small vocabulary (a smaller dense-gradient all-reduce over the same link) and 16
+# micro-batches (the exchange grows with the tokens, the all-reduce does not). Sized with the model
+# (piper_core/timing) on this machine's 50 Mbit/s calibration so that the exchange is >= 40 % of the
+# stock step, before any run; the declaration then comes from each case's own calibration.
+WIDE = dataclasses.replace(MODEL, name="e2e-moe-wide", hidden_size=256, moe_ffn_hidden_size=8192, vocab_size=256)
+MICRO_BATCH = 2
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Workload:
+    """A model and the micro-batches per data-parallel rank and step."""
+
+    name: str
+    model: ModelSpec
+    micro_batches: int
+
+
+WORKLOADS = {w.name: w for w in (Workload(name="small", model=MODEL, micro_batches=2),
+                                 Workload(name="wide", model=WIDE, micro_batches=16))}
 FRAMEWORKS = ("megatron", "deepspeed")
 TARGETS = {"megatron": "piper_megatron.train:rank_main", "deepspeed": "piper_deepspeed.measure:rank_main"}
 TOPOLOGIES = ((2, 1), (2, 2))
@@ -68,10 +90,24 @@ class Case:
     nodes: int
     ranks_per_node: int
     mbit: float
+    workload: str = "small"
 
     @property
     def name(self) -> str:
+        tag = "" if self.workload == "small" else f"-{self.workload}"
+        return f"{self.cluster_name}{tag}"
+
+    @property
+    def cluster_name(self) -> str:
+        """The emulated cluster's name (its calibration profile's): the workload does not enter it."""
         return f"{self.framework}-{self.nodes}x{self.ranks_per_node}-{self.mbit:g}mbit"
+
+    @property
+    def load(self) -> Workload:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload {self.workload!r} is not one of {sorted(WORKLOADS)}: "
+                             f"pass --workloads with names from that list")
+        return WORKLOADS[self.workload]
 
     @property
     def world(self) -> int:
@@ -83,7 +119,7 @@ def base_plan(case: Case) -> ParallelPlan:
     no distributed optimizer (the CPU trainers' limits, piper_core.validate.instrument.TrainJob);
     Megatron's CPU path runs unfused attention, Piper's DeepSpeed model torch's SDPA (priced as flash)."""
     return ParallelPlan(gpus=case.world, ep=case.world, micro_batch_size=MICRO_BATCH,
-                        global_batch_size=MICRO_BATCH * MICRO_BATCHES * case.world, distributed_optimizer=False,
+                        global_batch_size=MICRO_BATCH * case.load.micro_batches * case.world, distributed_optimizer=False,
                         attention_backend="unfused" if case.framework == "megatron" else "flash")
 
 
@@ -113,12 +149,12 @@ def variants(chunks: int) -> tuple[Variant, ...]:
     return tuple(out)
 
 
-def warmup_steps(variant: Variant) -> int:
+def warmup_steps(variant: Variant, micro_batches: int = 2) -> int:
     """Untimed steps: :data:`WARMUP`, plus the tuning steps of a tuned variant (every MoE layer
     measures :data:`TUNE_CALLS` calls, one per micro-batch), so the timed steps run the choice."""
     if not variant.tune:
         return WARMUP
-    return WARMUP + -(-TUNE_CALLS // MICRO_BATCHES)
+    return WARMUP + -(-TUNE_CALLS // micro_batches)
 
 
 def declare(case: Case, cluster: Any) -> dict[str, Any]:
@@ -129,16 +165,16 @@ def declare(case: Case, cluster: Any) -> dict[str, Any]:
     predicted stock step."""
     from piper_core.timing.step import step_time
 
-    base = base_plan(case)
+    base, model = base_plan(case), case.load.model
     predicted = {}
     for algorithm in ("flat", "hierarchical"):
         for chunks in CHUNK_CHOICES:
-            predicted[f"{algorithm}/{chunks}"] = step_time(MODEL, dataclasses.replace(
+            predicted[f"{algorithm}/{chunks}"] = step_time(model, dataclasses.replace(
                 base, a2a=algorithm, a2a_chunks=chunks), cluster).step
-    stock = step_time(MODEL, base, cluster)  # the stock dispatcher's exchange is priced as flat/1
+    stock = step_time(model, base, cluster)  # the stock dispatcher's exchange is priced as flat/1
     order = sorted(predicted, key=lambda k: (round(predicted[k], 9), int(k.split("/")[1]), k.split("/")[0] != "flat"))
     piped = [k for k in order if k.split("/")[1] != "1"]
-    return {"case": case.name, "plan": {"gpus": base.gpus, "ep": base.ep, "mbs": base.micro_batch_size,
+    return {"case": case.name, "workload": case.workload, "model": model.name, "plan": {"gpus": base.gpus, "ep": base.ep, "mbs": base.micro_batch_size,
                                         "gbs": base.global_batch_size, "attention": base.attention_backend},
             "judged": order[0], "chunks": int(piped[0].split("/")[1]), "predicted_s": predicted,
             "predicted_stock_s": stock.step, "exchange_share_of_stock": stock.exposed_a2a / stock.step,
@@ -148,7 +184,7 @@ def declare(case: Case, cluster: Any) -> dict[str, Any]:
 def calibrate(case: Case, profiles: Path) -> Path:
     """The calibration profile of ``case`` in ``profiles`` (made with ``piper calibrate --quick`` if
     absent; a profile is of the machine it was made on)."""
-    path = profiles / f"{case.name}.yaml"
+    path = profiles / f"{case.cluster_name}.yaml"
     if not path.exists():
         profiles.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "piper_core.cli.main", "calibrate", "--out", str(path), "--emulate",
@@ -164,8 +200,8 @@ def run_variant(case: Case, variant: Variant) -> dict[str, Any]:
     losses, or the error."""
     from piper_core.validate.instrument import TrainJob, launch, summary
 
-    warm = warmup_steps(variant)
-    job = TrainJob(model=MODEL, plan=variant.plan(base_plan(case)), steps=warm + STEPS - WARMUP, warmup=warm,
+    warm = warmup_steps(variant, case.load.micro_batches)
+    job = TrainJob(model=case.load.model, plan=variant.plan(base_plan(case)), steps=warm + STEPS - WARMUP, warmup=warm,
                    stock=variant.stock, tune=variant.tune)
     start = time.perf_counter()
     try:
@@ -238,6 +274,24 @@ def estimate_s(cases: list[Case], rounds: int, per_run_s: float = 45.0) -> float
     return len(cases) * (rounds * 7 * per_run_s + 180.0)
 
 
+def machine() -> dict[str, Any]:
+    """What the measurement ran on: the CPU's model name, whether it has bf16 instructions (without
+    them a bf16 GEMM runs 50-100x slower here, which moves every predicted and measured step), the
+    core count and Python."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    return {"cpu": name, "bf16_instructions": bool(flags & {"avx512_bf16", "amx_bf16"}),
+            "cores": os.cpu_count(), "python": platform.python_version()}
+
+
 def _git_commit() -> str | None:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
@@ -253,6 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     p.add_argument("--topologies", default=",".join(f"{n}x{r}" for n, r in TOPOLOGIES), help="NODESxRANKS,...")
     p.add_argument("--mbits", default=",".join(f"{m:g}" for m in MBITS), help="inter-node link rates, Mbit/s")
+    p.add_argument("--workloads", default="small", help=f"jobs to train, of {', '.join(WORKLOADS)} (see WORKLOADS)")
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--profiles", type=Path, default=Path(".piper/e2e-profiles"),
                    help="calibration profiles of this machine, one per case (made if absent)")
@@ -262,12 +317,19 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"piper bench-e2e: the emulated cluster cannot be built here: {why}", file=sys.stderr)
         return 2
-    cases = [Case(framework=f, nodes=int(t.split("x")[0]), ranks_per_node=int(t.split("x")[1]), mbit=float(m))
-             for f in a.frameworks.split(",") for t in a.topologies.split(",") for m in a.mbits.split(",")]
+    unknown = [w for w in a.workloads.split(",") if w not in WORKLOADS]
+    if unknown:
+        p.error(f"--workloads {a.workloads!r}: {', '.join(unknown)} is not one of {', '.join(WORKLOADS)}")
+    cases = [Case(framework=f, nodes=int(t.split("x")[0]), ranks_per_node=int(t.split("x")[1]), mbit=float(m),
+                  workload=w)
+             for w in a.workloads.split(",") for f in a.frameworks.split(",") for t in a.topologies.split(",")
+             for m in a.mbits.split(",")]
     out: dict[str, Any] = {"command": "python -m piper_core.bench.e2e " + " ".join(argv or sys.argv[1:]),
-                           "commit": _git_commit(), "machine": {"cpu": platform.processor() or platform.machine(),
-                                                                "python": platform.python_version()},
-                           "model": dataclasses.asdict(MODEL), "rounds": a.rounds, "steps_timed": STEPS - WARMUP,
+                           "commit": _git_commit(), "machine": machine(),
+                           "workloads": {w: {"model": dataclasses.asdict(WORKLOADS[w].model), "micro_batch": MICRO_BATCH,
+                                             "micro_batches": WORKLOADS[w].micro_batches}
+                                         for w in a.workloads.split(",")},
+                           "rounds": a.rounds, "steps_timed": STEPS - WARMUP,
                            "cases": []}
     print(f"piper bench-e2e: {len(cases)} cases x 7 variants x {a.rounds} rounds, about "
           f"{estimate_s(cases, a.rounds) / 3600:.1f} h", flush=True)

@@ -7,6 +7,7 @@ Run: ``python -m piper_core.bench.e2e_report docs/e2e/results.json``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -46,15 +47,21 @@ def case_table(entry: dict[str, Any]) -> str:
 
 def report(results: dict[str, Any]) -> str:
     """Every case's table, with the command and commit that produced them."""
-    head = [f"Command: `{results['command']}` at commit `{results['commit']}` on {results['machine']['cpu']}; "
+    m = results["machine"]
+    bf16 = {True: ", bf16 instructions", False: ", no bf16 instructions", None: ""}[m.get("bf16_instructions")]
+    head = [f"Command: `{results['command']}` at commit `{results['commit']}` on {m['cpu']}{bf16}; "
             f"{results['rounds']} rounds interleaved, {results['steps_timed']} timed steps per run."]
     return "\n\n".join(head + [case_table(e) for e in results["cases"] if e["runs"]])
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    path = Path(argv[0] if argv else "docs/e2e/results.json")
-    print(report(json.loads(path.read_text())))
+    p = argparse.ArgumentParser(prog="python -m piper_core.bench.e2e_report",
+                                description="Markdown tables of a bench-e2e results file.")
+    p.add_argument("results", nargs="?", type=Path, default=Path("docs/e2e/results.json"))
+    a = p.parse_args(argv)
+    if not a.results.exists():
+        p.error(f"results file {str(a.results)!r} does not exist: run `make bench-e2e` first or name the file")
+    print(report(json.loads(a.results.read_text())))
     return 0
 
 
