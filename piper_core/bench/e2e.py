@@ -54,24 +54,32 @@ MODEL = ModelSpec(name="e2e-moe", num_layers=4, hidden_size=128, num_attention_h
                   vocab_size=1024, seq_length=128, normalization="LayerNorm", gated_linear_unit=False)
 # ``wide``: experts 16x wider (expert GEMMs comparable to the exchange at tens of Mbit/s on a core with
 # bf16 instructions), a small vocabulary (a smaller dense-gradient all-reduce over the same link) and 16
-# micro-batches (the exchange grows with the tokens, the all-reduce does not). Sized with the model
-# (piper_core/timing) on this machine's 50 Mbit/s calibration so that the exchange is >= 40 % of the
-# stock step, before any run; the declaration then comes from each case's own calibration.
+# micro-batches of 256 tokens (the exchange grows with the tokens, the all-reduce does not). Sized with
+# the model (piper_core/timing) on this machine's 50 Mbit/s calibration so that the exchange is >= 40 %
+# of the stock step, before any run; the declaration then comes from each case's own calibration.
+# ``wide-2k``: the same model and tokens per step in 2 micro-batches of 2048 tokens (micro-batch 16),
+# as real MoE training exchanges thousands of tokens per micro-batch (sequences of 4k and more): 8x
+# fewer, 8x larger messages, so a chunk of the pipelined exchange is not mostly per-message overhead.
+# Added after ``wide``'s runs measured pipelining at about 1x (docs/e2e.md); both are reported.
 WIDE = dataclasses.replace(MODEL, name="e2e-moe-wide", hidden_size=256, moe_ffn_hidden_size=8192, vocab_size=256)
 MICRO_BATCH = 2
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Workload:
-    """A model and the micro-batches per data-parallel rank and step."""
+    """A model, its micro-batch size and the micro-batches per data-parallel rank and step."""
 
     name: str
     model: ModelSpec
     micro_batches: int
+    micro_batch: int = MICRO_BATCH
 
 
 WORKLOADS = {w.name: w for w in (Workload(name="small", model=MODEL, micro_batches=2),
-                                 Workload(name="wide", model=WIDE, micro_batches=16))}
+                                 Workload(name="wide", model=WIDE, micro_batches=16),
+                                 Workload(name="wide-2k", model=WIDE, micro_batch=16, micro_batches=2))}
+
+
 FRAMEWORKS = ("megatron", "deepspeed")
 TARGETS = {"megatron": "piper_megatron.train:rank_main", "deepspeed": "piper_deepspeed.measure:rank_main"}
 TOPOLOGIES = ((2, 1), (2, 2))
@@ -118,8 +126,8 @@ def base_plan(case: Case) -> ParallelPlan:
     """The plan every variant of ``case`` shares: ep = world (every rank holds its experts), bf16,
     no distributed optimizer (the CPU trainers' limits, piper_core.validate.instrument.TrainJob);
     Megatron's CPU path runs unfused attention, Piper's DeepSpeed model torch's SDPA (priced as flash)."""
-    return ParallelPlan(gpus=case.world, ep=case.world, micro_batch_size=MICRO_BATCH,
-                        global_batch_size=MICRO_BATCH * case.load.micro_batches * case.world, distributed_optimizer=False,
+    return ParallelPlan(gpus=case.world, ep=case.world, micro_batch_size=case.load.micro_batch,
+                        global_batch_size=case.load.micro_batch * case.load.micro_batches * case.world, distributed_optimizer=False,
                         attention_backend="unfused" if case.framework == "megatron" else "flash")
 
 
@@ -326,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
              for m in a.mbits.split(",")]
     out: dict[str, Any] = {"command": "python -m piper_core.bench.e2e " + " ".join(argv or sys.argv[1:]),
                            "commit": _git_commit(), "machine": machine(),
-                           "workloads": {w: {"model": dataclasses.asdict(WORKLOADS[w].model), "micro_batch": MICRO_BATCH,
+                           "workloads": {w: {"model": dataclasses.asdict(WORKLOADS[w].model), "micro_batch": WORKLOADS[w].micro_batch,
                                              "micro_batches": WORKLOADS[w].micro_batches}
                                          for w in a.workloads.split(",")},
                            "rounds": a.rounds, "steps_timed": STEPS - WARMUP,

@@ -89,3 +89,22 @@ def test_verdicts_follow_the_declared_judged_variant_and_count_every_run():
                    "rounds": 5, "steps_timed": 4, "cases": [{"declared": _declared(0.5), "runs": _runs(times)}]})
     assert "| `flat/4` (judged) | 5 | 2.000 | 1.900-2.200 | 1.50x | 1.500 | -25% |" in text
     assert "**met**" in text
+
+
+def test_workloads_set_the_model_and_batch_and_name_the_case_not_the_profile():
+    from piper_core.bench.e2e import WIDE, WORKLOADS
+
+    wide = dataclasses.replace(CASE, workload="wide-2k")
+    assert wide.name == "megatron-2x1-5mbit-wide-2k" and wide.cluster_name == CASE.name == "megatron-2x1-5mbit"
+    plan = base_plan(wide)
+    assert (plan.micro_batch_size, plan.global_batch_size) == (16, 16 * 2 * 2)
+    assert (base_plan(CASE).micro_batch_size, base_plan(CASE).global_batch_size) == (2, 2 * 2 * 2)
+    d = declare(wide, _cluster(5.0))
+    assert d["model"] == WIDE.name and d["workload"] == "wide-2k"
+    assert d["predicted_stock_s"] == step_time(WIDE, plan, _cluster(5.0)).step
+    # same tokens per step as ``wide``, in 8x larger micro-batches
+    a, b = WORKLOADS["wide"], WORKLOADS["wide-2k"]
+    assert a.micro_batch * a.micro_batches == b.micro_batch * b.micro_batches and a.model == b.model
+    assert warmup_steps(variants(4)[-1], b.micro_batches) > warmup_steps(variants(4)[-1], a.micro_batches)
+    with pytest.raises(ValueError, match="workload 'huge'"):
+        base_plan(dataclasses.replace(CASE, workload="huge"))

@@ -80,3 +80,21 @@ def test_deepseek_predict_answers_under_one_second_and_without_torch():
         if walls[-1] < 1.0:
             break
     assert min(walls) < 1.0, f"piper predict deepseek-v3 took {walls} s wall (interpreter start included)"
+
+
+def test_deepseek_plan_searches_the_whole_space_within_two_seconds():
+    """Issue 14: ``piper plan deepseek-v3 --cluster dgx-h100 --gpus 1024`` searches the whole default
+    space (680,778 plans) in <= 2 s on this machine: the search's own time as the command reports it
+    (``search.elapsed_s``; the command's wall, interpreter start and output included, was 1.86-1.93 s
+    on 2026-12-04). The best of up to 3 runs: other jobs on a shared machine only ever add time."""
+    searches = []
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-m", "piper_core.cli.main", "plan", "deepseek-v3", "--cluster",
+                               "dgx-h100", "--gpus", "1024", "--json"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        out = json.loads(proc.stdout)
+        assert out["candidates"] > 600_000 and out["feasible"] > 0
+        searches.append(out["search"]["elapsed_s"])
+        if searches[-1] <= 2.0:
+            break
+    assert min(searches) <= 2.0, f"piper plan deepseek-v3 --gpus 1024 searched for {searches} s"
