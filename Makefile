@@ -55,10 +55,21 @@ bench-alltoall-smoke: install
 	$(PYTEST) -m slow tests/emulate
 
 # Real Megatron-Core and DeepSpeed-MoE training, stock vs Piper's exchanges, on the emulated cluster
-# (root; hours on 2 cores: docs/e2e.md). E2E_ARGS narrows it, e.g. E2E_ARGS="--frameworks megatron
-# --topologies 2x1 --mbits 5".
+# (root; ~30 min per case on 2 cores: docs/e2e.md). Without E2E_ARGS: the cases docs/e2e.md reports,
+# each into its own docs/e2e/*.json; E2E_ARGS runs one invocation instead, e.g.
+# E2E_ARGS="--workloads small --frameworks megatron --topologies 2x1 --mbits 5 --json /tmp/e2e.json".
+E2E_PROFILES := .piper/e2e-profiles
+# framework:workload:Mbit/s:timed steps per run (0.1 s steps need 40 for a 3 % resolution)
+E2E_CASES := megatron:wide:50:4 megatron:wide-2k:50:4 megatron:small:1000:4 megatron:small:1000:40 \
+             deepspeed:wide-2k:50:4
 bench-e2e: install
+ifdef E2E_ARGS
 	$(PY) -m piper_core.bench.e2e $(E2E_ARGS)
+else
+	set -e; for c in $(E2E_CASES); do set -- $$(echo $$c | tr : ' '); \
+	  $(PY) -m piper_core.bench.e2e --frameworks $$1 --workloads $$2 --topologies 2x1 --mbits $$3 --rounds 5 \
+	    --timed-steps $$4 --profiles $(E2E_PROFILES) --json docs/e2e/$$1-2x1-$${3}mbit-$$2-$${4}steps.json; done
+endif
 
 # Every tier runs on its own so that a tier collecting no test fails the run (pytest exit 5).
 test: install test-unit test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed

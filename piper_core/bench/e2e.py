@@ -84,7 +84,7 @@ FRAMEWORKS = ("megatron", "deepspeed")
 TARGETS = {"megatron": "piper_megatron.train:rank_main", "deepspeed": "piper_deepspeed.measure:rank_main"}
 TOPOLOGIES = ((2, 1), (2, 2))
 MBITS = (5.0, 1000.0)  # a slow link (the exchange a large share of the step) and a fast one (a small share)
-ROUNDS, STEPS, WARMUP = 5, 6, 2
+ROUNDS, TIMED_STEPS, WARMUP = 5, 4, 2
 CHUNK_CHOICES = (1, 2, 4, 8)
 TUNE_CALLS = 4 * 3  # AutoChunks over 1/2/4/8 chunks, 3 trials each, counted in MoE layer calls (micro-batches)
 RUN_TIMEOUT_S = 900.0
@@ -203,13 +203,13 @@ def calibrate(case: Case, profiles: Path) -> Path:
     return path
 
 
-def run_variant(case: Case, variant: Variant) -> dict[str, Any]:
-    """One job of ``variant`` on ``case``'s emulated cluster: the slowest rank's step times, the
-    losses, or the error."""
+def run_variant(case: Case, variant: Variant, timed_steps: int = TIMED_STEPS) -> dict[str, Any]:
+    """One job of ``variant`` on ``case``'s emulated cluster, ``timed_steps`` steps timed after the
+    warm-up: the slowest rank's step times, the losses, or the error."""
     from piper_core.validate.instrument import TrainJob, launch, summary
 
     warm = warmup_steps(variant, case.load.micro_batches)
-    job = TrainJob(model=case.load.model, plan=variant.plan(base_plan(case)), steps=warm + STEPS - WARMUP, warmup=warm,
+    job = TrainJob(model=case.load.model, plan=variant.plan(base_plan(case)), steps=warm + timed_steps, warmup=warm,
                    stock=variant.stock, tune=variant.tune)
     start = time.perf_counter()
     try:
@@ -317,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mbits", default=",".join(f"{m:g}" for m in MBITS), help="inter-node link rates, Mbit/s")
     p.add_argument("--workloads", default="small", help=f"jobs to train, of {', '.join(WORKLOADS)} (see WORKLOADS)")
     p.add_argument("--rounds", type=int, default=ROUNDS)
+    p.add_argument("--timed-steps", type=int, default=TIMED_STEPS,
+                   help="steps timed per run after the warm-up (more for short steps: the median's resolution)")
     p.add_argument("--profiles", type=Path, default=Path(".piper/e2e-profiles"),
                    help="calibration profiles of this machine, one per case (made if absent)")
     p.add_argument("--json", type=Path, default=Path("docs/e2e/results.json"), help="results (written after every run)")
@@ -325,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     if why is not None:
         print(f"piper bench-e2e: the emulated cluster cannot be built here: {why}", file=sys.stderr)
         return 2
+    for key, value in (("--rounds", a.rounds), ("--timed-steps", a.timed_steps)):
+        if value < 1:
+            p.error(f"{key} {value}: must be at least 1 (a result needs --rounds 5 or more)")
     unknown = [w for w in a.workloads.split(",") if w not in WORKLOADS]
     if unknown:
         p.error(f"--workloads {a.workloads!r}: {', '.join(unknown)} is not one of {', '.join(WORKLOADS)}")
@@ -337,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                            "workloads": {w: {"model": dataclasses.asdict(WORKLOADS[w].model), "micro_batch": WORKLOADS[w].micro_batch,
                                              "micro_batches": WORKLOADS[w].micro_batches}
                                          for w in a.workloads.split(",")},
-                           "rounds": a.rounds, "steps_timed": STEPS - WARMUP,
+                           "rounds": a.rounds, "steps_timed": a.timed_steps,
                            "cases": []}
     print(f"piper bench-e2e: {len(cases)} cases x 7 variants x {a.rounds} rounds, about "
           f"{estimate_s(cases, a.rounds) / 3600:.1f} h", flush=True)
@@ -354,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         by_name = {v.name: v for v in variants(declared["chunks"])}
         for r in range(a.rounds):
             for name in rounds_order(names, r):
-                run = run_variant(case, by_name[name]) | {"round": r}
+                run = run_variant(case, by_name[name], a.timed_steps) | {"round": r}
                 entry["runs"].append(run)
                 _write(a.json, out)
                 shown = f"{run['step_s']:.3f} s" if "step_s" in run else run["error"]

@@ -2,7 +2,8 @@
 every variant with its median step, spread, speedup over stock and the model's predicted step, then
 the pipelining gain and the verdict against the declared judged variant.
 
-Run: ``python -m piper_core.bench.e2e_report docs/e2e/results.json``.
+Run: ``python -m piper_core.bench.e2e_report FILE...`` (several files: one headline table of every
+case first, then each file's tables; ``--headline``: the headline table alone).
 """
 
 from __future__ import annotations
@@ -54,14 +55,45 @@ def report(results: dict[str, Any]) -> str:
     return "\n\n".join(head + [case_table(e) for e in results["cases"] if e["runs"]])
 
 
+def headline(results: list[dict[str, Any]]) -> str:
+    """One row per case of every results file: the model's exchange share, the judged variant, its
+    speedup over stock, the pipelining gain of its algorithm, its model error and the verdict."""
+    from piper_core.bench.e2e import summarize
+
+    lines = ["| case | exchange share (model) | judged | judged vs stock | pipelining (judged's algorithm) "
+             "| model error (judged) | target | verdict |", "|---|---:|---|---:|---:|---:|---|---|"]
+    for res in results:
+        for entry in res["cases"]:
+            if not entry["runs"]:
+                continue
+            d = entry["declared"]
+            s = entry.get("summary") or summarize(d, entry["runs"])
+            v, judged = s["verdict"], s["table"].get(d["judged"], {})
+            algorithm = d["judged"].split("/")[0]
+            gain = s["pipelining_gain"].get(algorithm)
+            gain_text = (f"{gain:.2f}x ({algorithm}/{d['chunks']} over {algorithm}/1)" if gain else "-")
+            target = v["target"].split(": ", 1)[-1]
+            met = {True: "met", False: "**NOT met**", None: "no target"}[v["met"]]
+            lines.append(f"| {d['case']} | {d['exchange_share_of_stock']:.0%} | `{d['judged']}` | "
+                         f"{_s(v['speedup_vs_stock'], '{:.2f}x')} | {gain_text} | "
+                         f"{_s(judged.get('model_error'), '{:+.0%}')} | {target} | {met} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m piper_core.bench.e2e_report",
-                                description="Markdown tables of a bench-e2e results file.")
-    p.add_argument("results", nargs="?", type=Path, default=Path("docs/e2e/results.json"))
+                                description="Markdown tables of bench-e2e results files.")
+    p.add_argument("results", nargs="*", type=Path, default=[Path("docs/e2e/results.json")])
+    p.add_argument("--headline", action="store_true", help="print only the one-row-per-case table")
     a = p.parse_args(argv)
-    if not a.results.exists():
-        p.error(f"results file {str(a.results)!r} does not exist: run `make bench-e2e` first or name the file")
-    print(report(json.loads(a.results.read_text())))
+    for path in a.results:
+        if not path.exists():
+            p.error(f"results file {str(path)!r} does not exist: run `make bench-e2e` first or name the file")
+    results = [json.loads(path.read_text()) for path in a.results]
+    parts = [headline(results)] if a.headline or len(results) > 1 else []
+    if not a.headline:
+        parts += [report(r) for r in results]
+    print("\n\n".join(parts))
     return 0
 
 
