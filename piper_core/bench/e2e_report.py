@@ -60,8 +60,8 @@ def headline(results: list[dict[str, Any]]) -> str:
     speedup over stock, the pipelining gain of its algorithm, its model error and the verdict."""
     from piper_core.bench.e2e import summarize
 
-    lines = ["| case | exchange share (model) | judged | judged vs stock | pipelining (judged's algorithm) "
-             "| model error (judged) | target | verdict |", "|---|---:|---|---:|---:|---:|---|---|"]
+    lines = ["| case | timed steps | exchange share (model) | judged | judged vs stock | pipelining (judged's "
+             "algorithm) | model error (judged) | target | verdict |", "|---|---:|---:|---|---:|---:|---:|---|---|"]
     for res in results:
         for entry in res["cases"]:
             if not entry["runs"]:
@@ -74,7 +74,7 @@ def headline(results: list[dict[str, Any]]) -> str:
             gain_text = (f"{gain:.2f}x ({algorithm}/{d['chunks']} over {algorithm}/1)" if gain else "-")
             target = v["target"].split(": ", 1)[-1]
             met = {True: "met", False: "**NOT met**", None: "no target"}[v["met"]]
-            lines.append(f"| {d['case']} | {d['exchange_share_of_stock']:.0%} | `{d['judged']}` | "
+            lines.append(f"| {d['case']} | {res.get('steps_timed', '-')} | {d['exchange_share_of_stock']:.0%} | `{d['judged']}` | "
                          f"{_s(v['speedup_vs_stock'], '{:.2f}x')} | {gain_text} | "
                          f"{_s(judged.get('model_error'), '{:+.0%}')} | {target} | {met} |")
     return "\n".join(lines)

@@ -115,11 +115,11 @@ def test_headline_has_one_row_per_case_with_the_judged_variant_and_verdict():
 
     times = {"stock": [3.0] * 5, "flat/1": [2.5] * 5, "flat/4": [2.0] * 5, "hierarchical/1": [2.6] * 5,
              "hierarchical/4": [2.9] * 5}
-    res = {"cases": [{"declared": _declared(0.5), "runs": _runs(times)},
+    res = {"steps_timed": 4, "cases": [{"declared": _declared(0.5), "runs": _runs(times)},
                      {"declared": _declared(0.05, judged="flat/1"), "runs": _runs(times | {"flat/1": [3.2] * 5})}]}
     rows = headline([res]).splitlines()[2:]
     assert len(rows) == 2
-    assert rows[0].startswith(f"| {CASE.name} | 50% | `flat/4` | 1.50x | 1.25x (flat/4 over flat/1) | -25% |")
+    assert rows[0].startswith(f"| {CASE.name} | 4 | 50% | `flat/4` | 1.50x | 1.25x (flat/4 over flat/1) | -25% |")
     assert rows[0].endswith("| met |") and rows[1].endswith("| **NOT met** |")
     with pytest.raises(SystemExit):
         main(["/nonexistent/results.json"])
