@@ -76,6 +76,13 @@ def _config_overrides() -> dict[str, Any]:
 
 
 def _train(job: TrainJob, ranks_per_node: int, trace_dir: Path) -> dict[str, Any]:
+    from piper_core.runtime.groups import released_groups
+
+    with released_groups():  # the probe trains many jobs in one process: no leaked gloo groups
+        return _train_job(job, ranks_per_node, trace_dir)
+
+
+def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel

@@ -12,7 +12,8 @@ environment; nothing is cached in module state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -134,3 +135,23 @@ def _check_parents(groups: list[tuple[int, ...]], world: int, rank: int) -> None
     if rank not in seen:
         raise SpecError("parents", groups, f"rank {rank} is in no parent group",
                         "every calling rank must belong to one parent group")
+
+
+@contextmanager
+def released_groups() -> Iterator[None]:
+    """Destroy, on leaving, every process group created inside (the default group is kept).
+
+    For one process that builds several jobs in turn (``piper calibrate``'s host-overhead probe
+    trains 13 models in one process): ``parallel_state.destroy_model_parallel`` forgets Megatron's
+    groups but does not destroy them, and each live gloo group keeps its threads and sockets. Measured
+    on a 2-core machine (2026-12-04), 17-20 leaked groups per run slowed the same run by 20-35 % by the
+    probe's end, which inflated the fitted host overheads and made every validation plan predicted too
+    slow; with the groups destroyed, the same run at the probe's start and end agrees within 5 %."""
+    from torch.distributed.distributed_c10d import _world
+
+    before = set(_world.pg_map)
+    try:
+        yield
+    finally:
+        for group in [g for g in list(_world.pg_map) if g not in before]:
+            dist.destroy_process_group(group)
