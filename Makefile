@@ -59,16 +59,16 @@ bench-alltoall-smoke: install
 # each into its own docs/e2e/*.json; E2E_ARGS runs one invocation instead, e.g.
 # E2E_ARGS="--workloads small --frameworks megatron --topologies 2x1 --mbits 5 --json /tmp/e2e.json".
 E2E_PROFILES := .piper/e2e-profiles
-# framework:workload:Mbit/s:timed steps per run (0.1 s steps need 40 for a 3 % resolution)
-E2E_CASES := megatron:wide:50:4 megatron:wide-2k:50:4 megatron:small:1000:4 megatron:small:1000:40 \
-             deepspeed:wide-2k:50:4
+# framework:workload:Mbit/s:timed steps per run:nodes x ranks (0.1 s steps need 40 for a 3 % resolution)
+E2E_CASES := megatron:wide:50:4:2x1 megatron:wide-2k:50:4:2x1 megatron:small:1000:4:2x1 \
+             megatron:small:1000:40:2x1 deepspeed:wide-2k:50:4:2x1 megatron:wide-2k:50:4:2x2
 bench-e2e: install
 ifdef E2E_ARGS
 	$(PY) -m piper_core.bench.e2e $(E2E_ARGS)
 else
 	set -e; for c in $(E2E_CASES); do set -- $$(echo $$c | tr : ' '); \
-	  $(PY) -m piper_core.bench.e2e --frameworks $$1 --workloads $$2 --topologies 2x1 --mbits $$3 --rounds 5 \
-	    --timed-steps $$4 --profiles $(E2E_PROFILES) --json docs/e2e/$$1-2x1-$${3}mbit-$$2-$${4}steps.json; done
+	  $(PY) -m piper_core.bench.e2e --frameworks $$1 --workloads $$2 --topologies $$5 --mbits $$3 --rounds 5 \
+	    --timed-steps $$4 --profiles $(E2E_PROFILES) --json docs/e2e/$$1-$$5-$${3}mbit-$$2-$${4}steps.json; done
 endif
 
 # Every tier runs on its own so that a tier collecting no test fails the run (pytest exit 5).

@@ -11,6 +11,13 @@ replaced (text around it is prose and is left alone)::
     ...what the command printed...
     ```
 
+A command that prints Markdown (a table meant to render) is marked with a pair of comments instead,
+and everything between them is replaced::
+
+    <!-- run-md: python -m piper_core.bench.e2e_report docs/e2e/*steps.json --headline -->
+    | case | ... |
+    <!-- end run-md -->
+
 Commands run from the repository root with ``.venv/bin`` first on PATH. The quote is what a user
 sees in a terminal: standard output, then standard error (where errors such as a plan that does
 not fit are printed), whatever the exit status. Search times and rates
@@ -29,8 +36,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ("README.md", "docs/megatron.md")
-MARK = re.compile(r"(<!-- run: (?P<cmd>.+?) -->\n```text\n)(?P<out>.*?)(```)", re.S)
+FILES = ("README.md", "docs/megatron.md", "docs/e2e.md")
+MARKS = (re.compile(r"(<!-- run: (?P<cmd>.+?) -->\n```text\n)(?P<out>.*?)(```)", re.S),
+         re.compile(r"(<!-- run-md: (?P<cmd>.+?) -->\n)(?P<out>.*?)(<!-- end run-md -->)", re.S))
 VARIES = (re.compile(r"searched ([\d,]+) plans in [\d.]+ s \([\d,]+ plans/s\)"),)
 
 
@@ -49,13 +57,15 @@ def mask(text: str) -> str:
 
 
 def refresh(text: str) -> str:
-    return MARK.sub(lambda m: m[1] + run(m["cmd"]) + m[4], text)
+    for mark in MARKS:
+        text = mark.sub(lambda m: m[1] + run(m["cmd"]) + m[4], text)
+    return text
 
 
 def stale(text: str) -> list[tuple[str, str, str]]:
     """(command, quoted, printed now) for every quote that differs beyond the masked figures."""
     out = []
-    for m in MARK.finditer(text):
+    for m in (m for mark in MARKS for m in mark.finditer(text)):
         now = run(m["cmd"])
         if mask(now) != mask(m["out"]):
             out.append((m["cmd"], m["out"], now))

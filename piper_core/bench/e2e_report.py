@@ -3,13 +3,17 @@ every variant with its median step, spread, speedup over stock and the model's p
 the pipelining gain and the verdict against the declared judged variant.
 
 Run: ``python -m piper_core.bench.e2e_report FILE...`` (several files: one headline table of every
-case first, then each file's tables; ``--headline``: the headline table alone).
+case first, then each file's tables; ``--headline``: the headline table alone). ``--profiles DIR``
+adds the model's step predicted again from ``DIR/<cluster>.yaml`` beside the declared one (e.g. the
+profiles fitted again by ``piper calibrate --refit`` after a fit changed); the judged variant stays
+the one declared before the runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,24 +23,61 @@ def _s(x: float | None, fmt: str = "{:.3f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def case_table(entry: dict[str, Any]) -> str:
-    """The table of one case (its ``summary`` made from its runs so far if absent)."""
+def repredict(declared: dict[str, Any], profiles: Path) -> dict[str, Any]:
+    """The declaration of ``declared``'s case made again from ``profiles/<cluster>.yaml`` (its
+    predictions; the judged variant and chunk count of the original stand)."""
+    from piper_core.bench.e2e import Case, declare
+    from piper_core.presets import load_cluster
+
+    workload = declared["workload"]
+    name = declared["case"] if workload == "small" else declared["case"].removesuffix(f"-{workload}")
+    match = re.fullmatch(r"(\w+)-(\d+)x(\d+)-([\d.]+)mbit", name)
+    if match is None:
+        raise ValueError(f"case {declared['case']!r}: not FRAMEWORK-NODESxRANKS-RATEmbit[-WORKLOAD]")
+    path = profiles / f"{name}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"--profiles {profiles}: no profile {path.name} for case {declared['case']} "
+                                f"(write it with `piper calibrate --refit` or `piper calibrate --emulate`)")
+    case = Case(framework=match[1], nodes=int(match[2]), ranks_per_node=int(match[3]), mbit=float(match[4]),
+                workload=workload)
+    return declare(case, load_cluster(str(path))) | {"profile": str(path)}
+
+
+def _again(declared: dict[str, Any], again: dict[str, Any] | None, name: str) -> float | None:
+    if again is None:
+        return None
+    key = name if not name.endswith("/tune") else f"{name.split('/')[0]}/{declared['chunks']}"
+    return again["predicted_stock_s"] if name == "stock" else again["predicted_s"].get(key)
+
+
+def _error(predicted: float | None, measured: float | None) -> float | None:
+    return predicted / measured - 1 if predicted and measured else None
+
+
+def case_table(entry: dict[str, Any], profiles: Path | None = None) -> str:
+    """The table of one case (its ``summary`` made from its runs so far if absent); with
+    ``profiles``, the step predicted again from them beside the declared prediction."""
     from piper_core.bench.e2e import summarize
 
     declared = entry["declared"]
     summary = entry.get("summary") or summarize(declared, entry["runs"])
+    again = repredict(declared, profiles) if profiles is not None else None
+    extra = " re-predicted s | error |" if again else ""
     lines = [f"**{declared['case']}** (plan ep {declared['plan']['ep']}, mbs {declared['plan']['mbs']}, "
              f"gbs {declared['plan']['gbs']}; predicted from `{declared['cluster']}`): declared before the runs: "
              f"judged `{declared['judged']}`, pipelined variants in {declared['chunks']} chunks; the model puts "
-             f"the exchange at {declared['exchange_share_of_stock']:.0%} of the stock step.", "",
-             "| variant | rounds | median step s | spread (min-max) s | vs stock | predicted s | model error |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             f"the exchange at {declared['exchange_share_of_stock']:.0%} of the stock step."
+             + (f" Re-predicted from `{again['profile']}`." if again else ""), "",
+             "| variant | rounds | median step s | spread (min-max) s | vs stock | predicted s | model error |" + extra,
+             "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if again else "")]
     for name, row in summary["table"].items():
         judged = " (judged)" if name == declared["judged"] else ""
         failed = f" ({row['failed']} failed)" if row["failed"] else ""
+        p = _again(declared, again, name)
+        more = f" {_s(p)} | {_s(_error(p, row['median_s']), '{:+.0%}')} |" if again else ""
         lines.append(f"| `{name}`{judged} | {row['rounds']}{failed} | {_s(row['median_s'])} | "
                      f"{_s(row['min_s'])}-{_s(row['max_s'])} | {_s(row['speedup_vs_stock'], '{:.2f}x')} | "
-                     f"{_s(row['predicted_s'])} | {_s(row['model_error'], '{:+.0%}')} |")
+                     f"{_s(row['predicted_s'])} | {_s(row['model_error'], '{:+.0%}')} |" + more)
     gains = ", ".join(f"{a}/{declared['chunks']} over {a}/1: {g:.2f}x" for a, g in summary["pipelining_gain"].items())
     v = summary["verdict"]
     met = {True: "met", False: "NOT met", None: "-"}[v["met"]]
@@ -46,22 +87,25 @@ def case_table(entry: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def report(results: dict[str, Any]) -> str:
+def report(results: dict[str, Any], profiles: Path | None = None) -> str:
     """Every case's table, with the command and commit that produced them."""
     m = results["machine"]
     bf16 = {True: ", bf16 instructions", False: ", no bf16 instructions", None: ""}[m.get("bf16_instructions")]
     head = [f"Command: `{results['command']}` at commit `{results['commit']}` on {m['cpu']}{bf16}; "
             f"{results['rounds']} rounds interleaved, {results['steps_timed']} timed steps per run."]
-    return "\n\n".join(head + [case_table(e) for e in results["cases"] if e["runs"]])
+    return "\n\n".join(head + [case_table(e, profiles) for e in results["cases"] if e["runs"]])
 
 
-def headline(results: list[dict[str, Any]]) -> str:
+def headline(results: list[dict[str, Any]], profiles: Path | None = None) -> str:
     """One row per case of every results file: the model's exchange share, the judged variant, its
-    speedup over stock, the pipelining gain of its algorithm, its model error and the verdict."""
+    speedup over stock, the pipelining gain of its algorithm, its model error (and, with
+    ``profiles``, its error re-predicted from them) and the verdict."""
     from piper_core.bench.e2e import summarize
 
+    extra = (" model error (judged, re-predicted) |", "---:|") if profiles is not None else ("", "")
     lines = ["| case | timed steps | exchange share (model) | judged | judged vs stock | pipelining (judged's "
-             "algorithm) | model error (judged) | target | verdict |", "|---|---:|---:|---|---:|---:|---:|---|---|"]
+             "algorithm) | model error (judged) |" + extra[0] + " target | verdict |",
+             "|---|---:|---:|---|---:|---:|---:|" + extra[1] + "---|---|"]
     for res in results:
         for entry in res["cases"]:
             if not entry["runs"]:
@@ -76,7 +120,9 @@ def headline(results: list[dict[str, Any]]) -> str:
             met = {True: "met", False: "**NOT met**", None: "no target"}[v["met"]]
             lines.append(f"| {d['case']} | {res.get('steps_timed', '-')} | {d['exchange_share_of_stock']:.0%} | `{d['judged']}` | "
                          f"{_s(v['speedup_vs_stock'], '{:.2f}x')} | {gain_text} | "
-                         f"{_s(judged.get('model_error'), '{:+.0%}')} | {target} | {met} |")
+                         f"{_s(judged.get('model_error'), '{:+.0%}')} |" + (
+                             f" {_s(_error(_again(d, repredict(d, profiles), d['judged']), judged.get('median_s')), '{:+.0%}')} |"
+                             if profiles is not None else "") + f" {target} | {met} |")
     return "\n".join(lines)
 
 
@@ -85,14 +131,22 @@ def main(argv: list[str] | None = None) -> int:
                                 description="Markdown tables of bench-e2e results files.")
     p.add_argument("results", nargs="*", type=Path, default=[Path("docs/e2e/results.json")])
     p.add_argument("--headline", action="store_true", help="print only the one-row-per-case table")
+    p.add_argument("--profiles", type=Path, metavar="DIR",
+                   help="also predict each case again from DIR/<cluster>.yaml (e.g. profiles refitted with "
+                        "`piper calibrate --refit`); the declared judged variant stays")
     a = p.parse_args(argv)
     for path in a.results:
         if not path.exists():
             p.error(f"results file {str(path)!r} does not exist: run `make bench-e2e` first or name the file")
+    if a.profiles is not None and not a.profiles.is_dir():
+        p.error(f"--profiles {str(a.profiles)!r} is not a directory: give the folder holding <cluster>.yaml profiles")
     results = [json.loads(path.read_text()) for path in a.results]
-    parts = [headline(results)] if a.headline or len(results) > 1 else []
-    if not a.headline:
-        parts += [report(r) for r in results]
+    try:
+        parts = [headline(results, a.profiles)] if a.headline or len(results) > 1 else []
+        if not a.headline:
+            parts += [report(r, a.profiles) for r in results]
+    except (FileNotFoundError, ValueError) as exc:
+        p.error(str(exc))
     print("\n\n".join(parts))
     return 0
 

@@ -26,6 +26,7 @@ from typing import Any
 from piper_core.calibrate.fit import GemmFit, GemmPoint, LinkSample, fit_alpha_beta, fit_compute_rate, \
     fit_roofline, quality
 from piper_core.calibrate.steps import Outcome, Topology
+from piper_core.emulate.netns import tbf_burst_bytes
 from piper_core.emulate.spec import TCP_PAYLOAD_EFFICIENCY
 from piper_core.specs.cluster import AcceleratorSpec, ClusterSpec, LinkLevel
 from piper_core.timing import comm
@@ -123,6 +124,24 @@ def _fallback_link(level: int, topology: Topology, base: ClusterSpec) -> tuple[t
     return (link.latency_us, link.bandwidth_gb_per_s), f"base preset {base.name} (not measured)"
 
 
+BURST_MARGIN = 4
+"""Points whose bytes through a node's link are within this many tbf bursts are left out of the
+inter-node fit: up to 1/BURST_MARGIN of such a message can pass unshaped from a full bucket.
+Measured (docs/e2e/profiles): at 1000 Mbit/s (125 kB bucket) 128 KiB messages ran at 3x the shaped
+rate, 512 KiB ones at it; at 50 Mbit/s (16 KiB) 8 KiB ones at 6x, 32 KiB ones at it."""
+
+
+def _shaper_burst(topology: Topology, level: int, levels: int) -> int | None:
+    """Bytes the emulated inter-node link's token bucket passes unshaped (None: not a shaped level).
+
+    Measured on a 50 Mbit/s link (docs/e2e.md, 2026-12-04): all-to-alls of <= 16 KiB per rank ran in
+    0.3-0.4 ms, as on loopback, and larger ones at the shaped rate; one alpha-beta line through both
+    regimes put the link at 8.7 MB/s (it carries 6.25) and priced every large message 29-35 % fast."""
+    if not topology.emulated or topology.inter_node_mbit is None or level != levels - 1 or levels < 2:
+        return None
+    return tbf_burst_bytes(topology.inter_node_mbit)
+
+
 def fit_links(benchmarks: dict[str, Any], topology: Topology, base: ClusterSpec) -> tuple[ClusterSpec, dict[str, Any]]:
     """Fit each level, innermost first, from the all-to-all curves whose outermost level it is;
     returns the cluster with the fitted links and, per level and per curve, the fit report."""
@@ -131,7 +150,8 @@ def fit_links(benchmarks: dict[str, Any], topology: Topology, base: ClusterSpec)
     fitted: list[tuple[float, float]] = []
     report: dict[str, Any] = {"levels": {}, "curves": {}}
     for li, level in enumerate(shape.links):
-        samples = []
+        samples, in_burst = [], []
+        burst = _shaper_burst(topology, li, len(shape.links))
         for _, group, points in curves:
             shares = level_shares(group, shape)
             if not shares or shares[-1].link.name != level.name:
@@ -141,13 +161,23 @@ def fit_links(benchmarks: dict[str, Any], topology: Topology, base: ClusterSpec)
             for p in points:
                 if comm.all_to_all_flat(group, p["bytes"], inner) > DOMINATES * p["seconds"]:
                     continue  # an inner level explains this point: no evidence about this one
-                samples.append(LinkSample(peers=last.peers, nbytes=last.peers * p["bytes"] / group.size,
-                                          seconds=p["seconds"]))
+                sample = LinkSample(peers=last.peers, nbytes=last.peers * p["bytes"] / group.size,
+                                    seconds=p["seconds"])
+                # the node's link carries every one of its ranks' bytes through one token bucket
+                node_bytes = sample.nbytes * topology.ranks_per_node
+                (in_burst if burst is not None and node_bytes <= BURST_MARGIN * burst else samples).append(sample)
+        if len(samples) < 2:  # too few points beyond the burst: fit them all rather than not at all
+            samples, in_burst = samples + in_burst, []
         if len(samples) >= 2:
             fit = fit_alpha_beta(samples)
             fitted.append((_sig(fit.latency_us), _sig(fit.bandwidth_gb_per_s)))
             report["levels"][level.name] = {"latency_us": fitted[-1][0], "bandwidth_gb_per_s": fitted[-1][1],
                                             "source": "fitted to the flat all-to-all", **fit.fit.as_dict()}
+            if in_burst:
+                report["levels"][level.name]["left_out"] = (
+                    f"{len(in_burst)} points whose bytes through a node's link ({_sig(max(s.nbytes for s in in_burst))}"
+                    f" B per rank at most) are within {BURST_MARGIN}x the emulated link's tbf burst ({burst} B): "
+                    "a large part of each passes unshaped, so they measure the bucket, not the link's rate")
         else:
             value, why = _fallback_link(li, topology, base)
             fitted.append(value)

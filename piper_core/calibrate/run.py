@@ -23,6 +23,7 @@ from piper_core.calibrate.assemble import check_collectives, fit_accelerator, fi
 from piper_core.calibrate.profile import write_profile
 from piper_core.calibrate.steps import OVERHEAD_PROBE, Outcome, RunLog, Step, Topology, overhead_probe_available, \
     plan_steps, run_steps
+from piper_core.errors import SpecError
 from piper_core.presets import load_cluster
 from piper_core.specs.cluster import ClusterSpec
 
@@ -87,14 +88,9 @@ def assemble(options: CalibrateOptions, base: ClusterSpec, log: RunLog,
     """Fit every term from the successful steps; the calibration record to write beside it."""
     medians = reduce_outcomes(log.outcomes)
     topo = options.topology
-    acc, fits = fit_accelerator(medians, base.accelerator)
-    cluster, links = fit_links(medians, topo, dataclasses.replace(base, accelerator=acc))
-    fits["links"] = links
-    fits["checks"] = check_collectives(medians, cluster)
     failures = {o.name: {"status": o.status, "error": o.error, "wall_s": round(o.seconds, 2)}
                 for o in log.outcomes if o.status != "ok"}
-    cluster = dataclasses.replace(cluster, name=_name(topo))
-    cluster, fits["overheads"] = _overheads(cluster, medians.get("overheads"), probe_missing, failures)
+    cluster, fits = fit_medians(medians, topo, base, _name(topo), probe_missing, failures)
     benchmarks = {o.name: {"wall_s": round(o.seconds, 2), "cached": o.cached, "result": medians[o.name]}
                   for o in log.outcomes if o.status == "ok"}
     calibration = {
@@ -104,6 +100,50 @@ def assemble(options: CalibrateOptions, base: ClusterSpec, log: RunLog,
         "benchmarks": benchmarks, "failures": failures, "fits": fits,
     }
     return cluster, calibration
+
+
+def fit_medians(medians: dict[str, Any], topo: Topology, base: ClusterSpec, name: str, probe_missing: str | None,
+                failures: dict[str, Any]) -> tuple[ClusterSpec, dict[str, Any]]:
+    """Every fit from the benchmarks' medians (pure): the cluster named ``name`` and the fit report.
+    ``failures`` (per benchmark) gains the overhead fit's failure, if any."""
+    acc, fits = fit_accelerator(medians, base.accelerator)
+    cluster, links = fit_links(medians, topo, dataclasses.replace(base, accelerator=acc))
+    fits["links"] = links
+    fits["checks"] = check_collectives(medians, cluster)
+    cluster = dataclasses.replace(cluster, name=name)
+    cluster, fits["overheads"] = _overheads(cluster, medians.get("overheads"), probe_missing, failures)
+    return cluster, fits
+
+
+def refit(source: Path, out: Path, command: str) -> Calibration:
+    """Fit the profile at ``source`` again from the medians it stores, with this version's fits, and
+    write it to ``out``: nothing is measured (after a Piper upgrade that changes a fit, old
+    calibrations need not be re-run). The record keeps the machine, date and benchmarks, and says
+    where it came from (``refit``)."""
+    from piper_core.calibrate.profile import read_profile
+
+    old = read_profile(source)
+    cal = old.calibration
+    if out.suffix not in (".yaml", ".yml"):
+        raise SpecError("--out", str(out), "must be a YAML file (.yaml or .yml)", "write e.g. --out refit.yaml")
+    try:
+        medians = {name: b["result"] for name, b in cal["benchmarks"].items()}
+    except (AttributeError, KeyError, TypeError) as exc:
+        raise SpecError("calibration.benchmarks", type(cal["benchmarks"]).__name__,
+                        "must map each benchmark to its record with its 'result' (the medians)",
+                        "refit a profile written by `piper calibrate`", where=str(source)) from exc
+    nodes, per_node = int(cal["nodes"]), int(cal.get("ranks_per_node") or cal["ranks"] // cal["nodes"])
+    mbit = cal.get("inter_node_mbit")
+    topo = Topology(nodes=nodes, ranks_per_node=per_node, inter_node_mbit=mbit, emulated=mbit is not None)
+    base = load_cluster(cal.get("base") or "cpu-local")
+    failures = {k: dict(v) for k, v in (cal.get("failures") or {}).items() if k != "overheads"}
+    probe_missing = None if "overheads" in medians else (cal.get("failures") or {}).get("overheads", {}).get(
+        "error") or "the profile has no host-overhead probe results"
+    cluster, fits = fit_medians(medians, topo, base, old.cluster.name, probe_missing, failures)
+    record = {**cal, "failures": failures, "fits": fits,
+              "command": f"{command} (refit of: {cal['command']})"}
+    write_profile(out, cluster, record)
+    return Calibration(cluster=cluster, calibration=record, outcomes=(), path=out)
 
 
 def _overheads(cluster: ClusterSpec, probe: dict[str, Any] | None, missing: str | None,

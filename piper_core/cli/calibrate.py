@@ -56,6 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--realtime", action="store_true",
                    help="run the ranks under SCHED_FIFO (root) so other processes on a shared machine do not "
                         "disturb the timings")
+    p.add_argument("--refit", type=Path, metavar="PROFILE.yaml",
+                   help="measure nothing: fit PROFILE again from the medians it stores, with this version's "
+                        "fits, and write the result to --out (the machine and date stay those of the measurement)")
     p.set_defaults(func=run)
 
 
@@ -111,9 +114,39 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
                             cache=args.cache, timeout_per_bench_s=timeout, command=command, framework=args.framework)
 
 
+MEASURING = ("ranks", "emulate", "inter_node_mbit", "quick", "cache", "timeout_per_bench", "realtime")
+
+
+def run_refit(args: argparse.Namespace) -> int:
+    """``--refit``: the profile fitted again from its stored medians (no benchmark runs)."""
+    from piper_core.calibrate.run import CalibrateOptions, refit
+    from piper_core.calibrate.steps import Topology
+
+    given = [f"--{k.replace('_', '-')}" for k in MEASURING if getattr(args, k) not in (None, False)]
+    if given:
+        raise SpecError(given[0], "given", "measures, and --refit measures nothing (the profile's own medians are "
+                        "fitted again)", f"drop {', '.join(given)}, or drop --refit to calibrate afresh")
+    if not args.refit.is_file():
+        raise SpecError("--refit", str(args.refit), "must be an existing profile YAML", "name a profile written by "
+                        "`piper calibrate --out`")
+    command = "piper " + shlex.join(getattr(args, "argv", None) or sys.argv[1:])
+    result = refit(args.refit, args.out, command)
+    cal = result.calibration
+    mbit = cal.get("inter_node_mbit")
+    topo = Topology(nodes=cal["nodes"], ranks_per_node=cal.get("ranks_per_node") or cal["ranks"] // cal["nodes"],
+                    inter_node_mbit=mbit, emulated=mbit is not None)
+    options = CalibrateOptions(out=args.out, topology=topo, base=cal.get("base") or "cpu-local",
+                               cache=args.refit.with_name(args.refit.stem + ".cache"), command=command)
+    summary = summarize(result, options) | {"refit_of": str(args.refit)}
+    print(json.dumps(summary, indent=2) if args.json else render(summary))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from piper_core.calibrate.run import calibrate, default_steps
 
+    if args.refit is not None:
+        return run_refit(args)
     options = options_from_args(args, getattr(args, "argv", None))
     steps, probe_missing = default_steps(options)
     if probe_missing and not args.json:
@@ -185,12 +218,17 @@ def render(s: dict[str, Any]) -> str:
     lines = [f"piper calibrate: {s['cluster']} ({where}); {len(steps)} benchmarks, "
              f"{sum(x['cached'] for x in steps)} from the cache, {sum(x['status'] != 'ok' for x in steps)} failed, "
              f"{wall:.1f} s measuring", "", f"{'accelerator':<26}{'fitted':>12}{'base':>12}"]
+    if s.get("refit_of"):
+        lines[0] = (f"piper calibrate --refit: {s['cluster']} ({where}) fitted again from the medians stored in "
+                    f"{s['refit_of']}; nothing measured")
     for name, v in s["accelerator"].items():
         lines.append(f"{name:<26}{v['value']:>12.5g}{v['base']:>12.5g}")
     lines += ["", f"{'link level':<14}{'latency_us':>12}{'GB/s':>12}  from"]
     for name, v in s["links"].items():
         fit = f" (R^2 {v['r2']:.3f}, max residual {_pct(v['max_rel_residual'])})" if "r2" in v else ""
         lines.append(f"{name:<14}{v['latency_us']:>12.5g}{v['bandwidth_gb_per_s']:>12.5g}  {v['source']}{fit}")
+        if v.get("left_out"):
+            lines.append(f"{'':<14}left out of the fit: {v['left_out']}")
     lines += ["", f"{'curve (model vs measured)':<28}{'points':>7}{'R^2':>9}{'max |residual|':>16}"]
     for name, q in s["quality"].items():
         tag = "" if q.get("fitted", True) else "  (check, not fitted)"

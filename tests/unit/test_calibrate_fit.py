@@ -14,6 +14,7 @@ from piper_core.calibrate.fit import GemmPoint, LinkSample, fit_alpha_beta, fit_
 from piper_core.calibrate.profile import is_profile, load_profile, profile_text, read_profile, write_profile
 from piper_core.calibrate.steps import Topology, gemm_shapes
 from piper_core.cli.main import main
+from piper_core.emulate.spec import TCP_PAYLOAD_EFFICIENCY
 from piper_core.errors import SpecError
 from piper_core.presets import load_cluster
 from piper_core.timing import comm
@@ -183,3 +184,55 @@ def test_calibrate_under_torchrun_says_it_is_not_supported(tmp_path, capsys, mon
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "1")
     assert main(["calibrate", "--out", str(tmp_path / "p.yaml")]) == 2
     assert "running it under torchrun is not supported yet" in capsys.readouterr().err
+
+
+def test_points_inside_the_emulated_links_burst_are_left_out_of_its_fit():
+    # 2 nodes x 1 rank at 50 Mbit/s: all-to-alls up to 16 KiB per rank ride tbf's 16 KiB bucket at
+    # loopback speed (~0.35 ms flat, as measured), larger ones the shaped link
+    topo = Topology(nodes=2, ranks_per_node=1, inter_node_mbit=50.0, emulated=True)
+    truth = shape_cluster(topo, BASE, [(50.0, 1.0), (60.0, 0.0058)])
+    group = Group(name="all", size=2, stride=1)
+    # ... and (unlike the model) 64 KiB ones partly: 4x the bucket or less is left out
+    points = [{"bytes": n, "seconds": 350e-6 if n <= 16384 else comm.all_to_all_flat(group, n, truth) * (
+        0.5 if n <= 65536 else 1.0)} for n in [2 ** e for e in range(10, 23, 2)]]
+    cluster, report = fit_links({"alltoall-all": {"group_size": 2, "stride": 1, "points": points}}, topo, BASE)
+    inter = report["levels"]["inter-node"]
+    assert cluster.links[1].bandwidth_gb_per_s == pytest.approx(0.0058, rel=1e-3)
+    assert inter["left_out"].startswith("4 points") and "tbf burst (16384 B)" in inter["left_out"]
+    # the line through every point, as before: the link priced far too fast for large messages
+    every = fit_alpha_beta([LinkSample(peers=1, nbytes=p["bytes"] / 2, seconds=p["seconds"]) for p in points])
+    assert every.bandwidth_gb_per_s > 1.2 * 0.0058
+    # a real (not emulated) link has no bucket: every point is fitted
+    real = Topology(nodes=2, ranks_per_node=1)
+    _, report = fit_links({"alltoall-all": {"group_size": 2, "stride": 1, "points": points}}, real, BASE)
+    assert "left_out" not in report["levels"]["inter-node"]
+
+
+E2E_PROFILE = "docs/e2e/profiles/megatron-2x1-50mbit.yaml"
+
+
+def test_refit_fits_a_stored_profile_again_without_measuring(tmp_path, capsys):
+    out = tmp_path / "refit.yaml"
+    assert main(["calibrate", "--refit", E2E_PROFILE, "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["refit_of"] == E2E_PROFILE and summary["steps"] == []
+    old, new = read_profile(E2E_PROFILE), read_profile(out)
+    for key in ("machine", "date", "benchmarks", "nodes", "inter_node_mbit"):
+        assert new.calibration[key] == old.calibration[key], key
+    assert "(refit of: piper calibrate --out" in new.calibration["command"]
+    # measured at 50 Mbit/s through tbf: the fitted link now carries what the shaped link carries
+    # (6.25 MB/s less TCP/IP headers, as the emulator prices it), the burst's points left out
+    assert new.cluster.links[-1].bandwidth_gb_per_s == pytest.approx(50e6 / 8 * TCP_PAYLOAD_EFFICIENCY / 1e9, rel=0.1)
+    assert new.cluster.accelerator.peak_tflops_bf16 == old.cluster.accelerator.peak_tflops_bf16
+    again = tmp_path / "again.yaml"
+    assert main(["calibrate", "--refit", str(out), "--out", str(again), "--json"]) == 0
+    assert read_profile(again).cluster == new.cluster  # nothing left to change
+
+
+def test_refit_refuses_measuring_flags_and_a_missing_profile(tmp_path, capsys):
+    out = str(tmp_path / "r.yaml")
+    assert main(["calibrate", "--refit", E2E_PROFILE, "--out", out, "--quick"]) == 2
+    assert "--quick='given': measures, and --refit measures nothing" in capsys.readouterr().err
+    assert main(["calibrate", "--refit", str(tmp_path / "none.yaml"), "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert "--refit=" in err and "must be an existing profile YAML" in err

@@ -1,4 +1,5 @@
-"""Every command output quoted in README.md and docs/megatron.md (``<!-- run: CMD -->`` blocks) is what CMD prints today,
+"""Every command output quoted in README.md, docs/megatron.md and docs/e2e.md (``<!-- run: CMD -->`` and
+``<!-- run-md: CMD -->`` blocks) is what CMD prints today,
 up to the search's time and rate: a model change that moves a figure makes the quote stale and this
 test red until ``python docs/refresh.py`` rewrites it."""
 
@@ -19,12 +20,12 @@ def _refresh():
     return module
 
 
-@pytest.mark.parametrize("name", ["README.md", "docs/megatron.md"])
+@pytest.mark.parametrize("name", ["README.md", "docs/megatron.md", "docs/e2e.md"])
 def test_quoted_outputs_are_current(name):
     refresh = _refresh()
     assert name in refresh.FILES
     text = (ROOT / name).read_text()
-    assert len(refresh.MARK.findall(text)) >= 2, f"{name} lost its quoted command outputs"
+    assert sum(len(mark.findall(text)) for mark in refresh.MARKS) >= 2, f"{name} lost its quoted command outputs"
     stale = refresh.stale(text)
     assert not stale, "\n".join(f"stale: {cmd}\n--- quoted\n{quoted}--- now\n{now}" for cmd, quoted, now in stale)
 
@@ -51,7 +52,14 @@ def test_a_quote_holds_stdout_then_stderr_of_a_failing_command():
 
 def test_the_infeasible_example_in_megatron_md_is_not_empty():
     refresh = _refresh()
-    quotes = [m for m in refresh.MARK.finditer((ROOT / "docs" / "megatron.md").read_text())
+    quotes = [m for m in refresh.MARKS[0].finditer((ROOT / "docs" / "megatron.md").read_text())
               if "--piper-world-size 8" in m["cmd"]]
     assert len(quotes) == 1
     assert quotes[0]["out"].startswith("piper_megatron: infeasible: no plan for gpt-24L-4096H-512E-top1 fits 8 GPUs")
+
+
+def test_a_markdown_quote_is_replaced_between_its_markers_only():
+    refresh = _refresh()
+    text = "prose\n<!-- run-md: python -c \"print('| a |')\" -->\n| old |\n<!-- end run-md -->\nmore prose\n"
+    assert refresh.refresh(text) == text.replace("| old |", "| a |")
+    assert [cmd for cmd, _, _ in refresh.stale(text)] == ["python -c \"print('| a |')\""]
