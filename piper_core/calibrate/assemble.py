@@ -169,7 +169,10 @@ def fit_links(benchmarks: dict[str, Any], topology: Topology, base: ClusterSpec)
         if len(samples) < 2:  # too few points beyond the burst: fit them all rather than not at all
             samples, in_burst = samples + in_burst, []
         if len(samples) >= 2:
-            fit = fit_alpha_beta(samples)
+            # the bucket's points still measure the per-message cost (their bytes go unshaped): the
+            # latency is theirs (median per peer), the bandwidth the shaped points' given it
+            latency = statistics.median(s.seconds / s.peers for s in in_burst) if in_burst else None
+            fit = fit_alpha_beta(samples, latency_s=latency)
             fitted.append((_sig(fit.latency_us), _sig(fit.bandwidth_gb_per_s)))
             report["levels"][level.name] = {"latency_us": fitted[-1][0], "bandwidth_gb_per_s": fitted[-1][1],
                                             "source": "fitted to the flat all-to-all", **fit.fit.as_dict()}
@@ -177,7 +180,8 @@ def fit_links(benchmarks: dict[str, Any], topology: Topology, base: ClusterSpec)
                 report["levels"][level.name]["left_out"] = (
                     f"{len(in_burst)} points whose bytes through a node's link ({_sig(max(s.nbytes for s in in_burst))}"
                     f" B per rank at most) are within {BURST_MARGIN}x the emulated link's tbf burst ({burst} B): "
-                    "a large part of each passes unshaped, so they measure the bucket, not the link's rate")
+                    "a large part of each passes unshaped, so they give the latency (their median per peer), "
+                    "not the bandwidth, which the others give")
         else:
             value, why = _fallback_link(li, topology, base)
             fitted.append(value)

@@ -100,15 +100,25 @@ class LinkFit:
     fit: Quality
 
 
-def fit_alpha_beta(samples: Sequence[LinkSample], *, iterations: int = 5) -> LinkFit:
-    """Least squares (relative, Huber-weighted, non-negative) of ``t = peers*alpha + bytes*beta``."""
+def fit_alpha_beta(samples: Sequence[LinkSample], *, iterations: int = 5, latency_s: float | None = None) -> LinkFit:
+    """Least squares (relative, Huber-weighted, non-negative) of ``t = peers*alpha + bytes*beta``;
+    with ``latency_s`` given, alpha is that and only beta is fitted."""
     if len(samples) < 2:
         raise ValueError(f"alpha-beta needs at least 2 samples, got {len(samples)}")
     x = np.array([[s.peers, s.nbytes] for s in samples], float)
     t = np.array([s.seconds for s in samples], float)
-    theta = nnls_relative(x, t)
-    for _ in range(iterations):
-        theta = nnls_relative(x, t, huber_weights((x @ theta - t) / t))
+    if latency_s is None:
+        theta = nnls_relative(x, t)
+        for _ in range(iterations):
+            theta = nnls_relative(x, t, huber_weights((x @ theta - t) / t))
+    else:  # beta alone, on what the fixed latency leaves (relative to the whole time, as above)
+        rest = t - x[:, 0] * latency_s
+        w = np.ones(len(t))
+        for _ in range(iterations + 1):
+            a, b = x[:, 1] * np.sqrt(w) / t, rest * np.sqrt(w) / t
+            beta = max(0.0, float(a @ b / (a @ a)))
+            w = huber_weights((x[:, 0] * latency_s + x[:, 1] * beta - t) / t)
+        theta = np.array([latency_s, beta])
     alpha, beta = theta
     # beta = 0 means bandwidth never showed (all points latency-bound): report the fastest the data allow
     bandwidth = 1.0 / beta if beta > 0 else float(np.max(x[:, 1] / t))

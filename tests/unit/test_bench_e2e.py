@@ -123,3 +123,21 @@ def test_headline_has_one_row_per_case_with_the_judged_variant_and_verdict():
     assert rows[0].endswith("| met |") and rows[1].endswith("| **NOT met** |")
     with pytest.raises(SystemExit):
         main(["/nonexistent/results.json"])
+
+
+def test_repredicting_from_other_profiles_keeps_the_declared_judged_variant(tmp_path, capsys):
+    from piper_core.bench.e2e_report import main
+
+    results = tmp_path / "results.json"
+    src = "docs/e2e/megatron-2x1-50mbit-wide-2k-4steps.json"
+    results.write_text(open(src).read())
+    assert main([str(results), "--profiles", "docs/e2e/profiles/refit"]) == 0
+    out = capsys.readouterr().out
+    assert "Re-predicted from `docs/e2e/profiles/refit/megatron-2x1-50mbit.yaml`" in out
+    judged = [line for line in out.splitlines() if "(judged)" in line]
+    assert len(judged) == 1 and judged[0].startswith("| `flat/8` (judged) |")
+    cells = [c.strip() for c in judged[0].strip("|").split("|")]
+    assert len(cells) == 9 and cells[6] == "-35%" and cells[8] != cells[6]  # declared and re-predicted errors
+    with pytest.raises(SystemExit):  # a folder without the case's profile: a clear error, not a traceback
+        main([str(results), "--profiles", str(tmp_path)])
+    assert "no profile megatron-2x1-50mbit.yaml" in capsys.readouterr().err
