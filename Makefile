@@ -61,7 +61,8 @@ bench-alltoall-smoke: install
 E2E_PROFILES := .piper/e2e-profiles
 # framework:workload:Mbit/s:timed steps per run:nodes x ranks (0.1 s steps need 40 for a 3 % resolution)
 E2E_CASES := megatron:wide:50:4:2x1 megatron:wide-2k:50:4:2x1 megatron:small:1000:4:2x1 \
-             megatron:small:1000:40:2x1 deepspeed:wide-2k:50:4:2x1 megatron:wide-2k:50:4:2x2
+             megatron:small:1000:40:2x1 deepspeed:wide-2k:50:4:2x1 megatron:wide-2k:50:4:2x2 \
+             deepspeed:small:1000:40:2x1
 bench-e2e: install
 ifdef E2E_ARGS
 	$(PY) -m piper_core.bench.e2e $(E2E_ARGS)
