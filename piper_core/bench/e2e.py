@@ -239,6 +239,20 @@ def stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "failed": failed}
 
 
+def predicted_step(prediction: dict[str, Any], chunks: int, name: str) -> float | None:
+    """The predicted step of variant ``name`` in a declaration's ``prediction`` (``X/tune`` priced as
+    ``X/chunks``, the declared chunk count)."""
+    if name == "stock":
+        return prediction["predicted_stock_s"]
+    key = name if not name.endswith("/tune") else f"{name.split('/')[0]}/{chunks}"
+    return prediction["predicted_s"].get(key)
+
+
+def model_error(predicted: float | None, measured: float | None) -> float | None:
+    """predicted / measured - 1 (None where either is missing)."""
+    return predicted / measured - 1 if predicted and measured else None
+
+
 def summarize(declared: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per variant: stats, speedup over stock, predicted step; the pipelining gain per algorithm
     (X/N over X/1); and the verdicts the issue states, with the judged variant."""
@@ -250,9 +264,8 @@ def summarize(declared: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str,
     n = declared["chunks"]
     for name, row in table.items():
         row["speedup_vs_stock"] = stock / row["median_s"] if stock and row["median_s"] else None
-        key = name if not name.endswith("/tune") else f"{name.split('/')[0]}/{n}"
-        row["predicted_s"] = declared["predicted_stock_s"] if name == "stock" else declared["predicted_s"].get(key)
-        row["model_error"] = (row["predicted_s"] / row["median_s"] - 1) if row["predicted_s"] and row["median_s"] else None
+        row["predicted_s"] = predicted_step(declared, n, name)
+        row["model_error"] = model_error(row["predicted_s"], row["median_s"])
     gains = {}
     for algorithm in ("flat", "hierarchical"):
         one, piped = table.get(f"{algorithm}/1", {}), table.get(f"{algorithm}/{n}", {})

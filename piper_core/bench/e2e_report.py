@@ -43,21 +43,10 @@ def repredict(declared: dict[str, Any], profiles: Path) -> dict[str, Any]:
     return declare(case, load_cluster(str(path))) | {"profile": str(path)}
 
 
-def _again(declared: dict[str, Any], again: dict[str, Any] | None, name: str) -> float | None:
-    if again is None:
-        return None
-    key = name if not name.endswith("/tune") else f"{name.split('/')[0]}/{declared['chunks']}"
-    return again["predicted_stock_s"] if name == "stock" else again["predicted_s"].get(key)
-
-
-def _error(predicted: float | None, measured: float | None) -> float | None:
-    return predicted / measured - 1 if predicted and measured else None
-
-
 def case_table(entry: dict[str, Any], profiles: Path | None = None) -> str:
     """The table of one case (its ``summary`` made from its runs so far if absent); with
     ``profiles``, the step predicted again from them beside the declared prediction."""
-    from piper_core.bench.e2e import summarize
+    from piper_core.bench.e2e import model_error, predicted_step, summarize
 
     declared = entry["declared"]
     summary = entry.get("summary") or summarize(declared, entry["runs"])
@@ -73,8 +62,8 @@ def case_table(entry: dict[str, Any], profiles: Path | None = None) -> str:
     for name, row in summary["table"].items():
         judged = " (judged)" if name == declared["judged"] else ""
         failed = f" ({row['failed']} failed)" if row["failed"] else ""
-        p = _again(declared, again, name)
-        more = f" {_s(p)} | {_s(_error(p, row['median_s']), '{:+.0%}')} |" if again else ""
+        p = predicted_step(again, declared["chunks"], name) if again else None
+        more = f" {_s(p)} | {_s(model_error(p, row['median_s']), '{:+.0%}')} |" if again else ""
         lines.append(f"| `{name}`{judged} | {row['rounds']}{failed} | {_s(row['median_s'])} | "
                      f"{_s(row['min_s'])}-{_s(row['max_s'])} | {_s(row['speedup_vs_stock'], '{:.2f}x')} | "
                      f"{_s(row['predicted_s'])} | {_s(row['model_error'], '{:+.0%}')} |" + more)
@@ -100,7 +89,7 @@ def headline(results: list[dict[str, Any]], profiles: Path | None = None) -> str
     """One row per case of every results file: the model's exchange share, the judged variant, its
     speedup over stock, the pipelining gain of its algorithm, its model error (and, with
     ``profiles``, its error re-predicted from them) and the verdict."""
-    from piper_core.bench.e2e import summarize
+    from piper_core.bench.e2e import model_error, predicted_step, summarize
 
     extra = (" model error (judged, re-predicted) |", "---:|") if profiles is not None else ("", "")
     lines = ["| case | timed steps | exchange share (model) | judged | judged vs stock | pipelining (judged's "
@@ -121,7 +110,7 @@ def headline(results: list[dict[str, Any]], profiles: Path | None = None) -> str
             lines.append(f"| {d['case']} | {res.get('steps_timed', '-')} | {d['exchange_share_of_stock']:.0%} | `{d['judged']}` | "
                          f"{_s(v['speedup_vs_stock'], '{:.2f}x')} | {gain_text} | "
                          f"{_s(judged.get('model_error'), '{:+.0%}')} |" + (
-                             f" {_s(_error(_again(d, repredict(d, profiles), d['judged']), judged.get('median_s')), '{:+.0%}')} |"
+                             f" {_s(model_error(predicted_step(repredict(d, profiles), d['chunks'], d['judged']), judged.get('median_s')), '{:+.0%}')} |"
                              if profiles is not None else "") + f" {target} | {met} |")
     return "\n".join(lines)
 

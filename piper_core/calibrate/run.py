@@ -115,6 +115,13 @@ def fit_medians(medians: dict[str, Any], topo: Topology, base: ClusterSpec, name
     return cluster, fits
 
 
+def recorded_topology(cal: dict[str, Any]) -> Topology:
+    """The ranks a calibration record was measured on (emulated where it names a link rate)."""
+    nodes, per_node = int(cal["nodes"]), int(cal.get("ranks_per_node") or cal["ranks"] // cal["nodes"])
+    mbit = cal.get("inter_node_mbit")
+    return Topology(nodes=nodes, ranks_per_node=per_node, inter_node_mbit=mbit, emulated=mbit is not None)
+
+
 def refit(source: Path, out: Path, command: str) -> Calibration:
     """Fit the profile at ``source`` again from the medians it stores, with this version's fits, and
     write it to ``out``: nothing is measured (after a Piper upgrade that changes a fit, old
@@ -132,9 +139,7 @@ def refit(source: Path, out: Path, command: str) -> Calibration:
         raise SpecError("calibration.benchmarks", type(cal["benchmarks"]).__name__,
                         "must map each benchmark to its record with its 'result' (the medians)",
                         "refit a profile written by `piper calibrate`", where=str(source)) from exc
-    nodes, per_node = int(cal["nodes"]), int(cal.get("ranks_per_node") or cal["ranks"] // cal["nodes"])
-    mbit = cal.get("inter_node_mbit")
-    topo = Topology(nodes=nodes, ranks_per_node=per_node, inter_node_mbit=mbit, emulated=mbit is not None)
+    topo = recorded_topology(cal)
     base = load_cluster(cal.get("base") or "cpu-local")
     failures = {k: dict(v) for k, v in (cal.get("failures") or {}).items() if k != "overheads"}
     probe_missing = None if "overheads" in medians else (cal.get("failures") or {}).get("overheads", {}).get(

@@ -119,8 +119,7 @@ MEASURING = ("ranks", "emulate", "inter_node_mbit", "quick", "cache", "timeout_p
 
 def run_refit(args: argparse.Namespace) -> int:
     """``--refit``: the profile fitted again from its stored medians (no benchmark runs)."""
-    from piper_core.calibrate.run import CalibrateOptions, refit
-    from piper_core.calibrate.steps import Topology
+    from piper_core.calibrate.run import CalibrateOptions, recorded_topology, refit
 
     given = [f"--{k.replace('_', '-')}" for k in MEASURING if getattr(args, k) not in (None, False)]
     if given:
@@ -132,10 +131,7 @@ def run_refit(args: argparse.Namespace) -> int:
     command = "piper " + shlex.join(getattr(args, "argv", None) or sys.argv[1:])
     result = refit(args.refit, args.out, command)
     cal = result.calibration
-    mbit = cal.get("inter_node_mbit")
-    topo = Topology(nodes=cal["nodes"], ranks_per_node=cal.get("ranks_per_node") or cal["ranks"] // cal["nodes"],
-                    inter_node_mbit=mbit, emulated=mbit is not None)
-    options = CalibrateOptions(out=args.out, topology=topo, base=cal.get("base") or "cpu-local",
+    options = CalibrateOptions(out=args.out, topology=recorded_topology(cal), base=cal.get("base") or "cpu-local",
                                cache=args.refit.with_name(args.refit.stem + ".cache"), command=command)
     summary = summarize(result, options) | {"refit_of": str(args.refit)}
     print(json.dumps(summary, indent=2) if args.json else render(summary))
