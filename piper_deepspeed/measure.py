@@ -71,6 +71,18 @@ def ds_config(job: TrainJob) -> dict[str, Any]:
 
 
 def _train(job: TrainJob) -> dict[str, Any]:
+    import deepspeed.comm
+
+    from piper_core.runtime.groups import released_groups
+
+    # the host-overhead probe trains many jobs in one process: destroy each job's groups (Piper's
+    # all-to-all groups, DeepSpeed's expert and expert-data groups) through deepspeed.comm, which
+    # also drops DeepSpeed's cached references, so the next job builds its own
+    with released_groups(destroy=deepspeed.comm.destroy_process_group):
+        return _train_job(job)
+
+
+def _train_job(job: TrainJob) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 

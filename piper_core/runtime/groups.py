@@ -12,7 +12,7 @@ environment; nothing is cached in module state.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -138,8 +138,12 @@ def _check_parents(groups: list[tuple[int, ...]], world: int, rank: int) -> None
 
 
 @contextmanager
-def released_groups() -> Iterator[None]:
+def released_groups(destroy: Callable[[dist.ProcessGroup], object] | None = None) -> Iterator[None]:
     """Destroy, on leaving, every process group created inside (the default group is kept).
+    ``destroy``: how to destroy one group (default ``torch.distributed.destroy_process_group``); pass
+    a framework's own (``deepspeed.comm.destroy_process_group``) so that the framework also forgets
+    the groups it cached during the job, and builds fresh ones for the next job instead of reusing
+    destroyed ones.
 
     For one process that builds several jobs in turn (``piper calibrate``'s host-overhead probe
     trains 13 models in one process): ``parallel_state.destroy_model_parallel`` forgets Megatron's
@@ -154,4 +158,4 @@ def released_groups() -> Iterator[None]:
         yield
     finally:
         for group in [g for g in list(_world.pg_map) if g not in before]:
-            dist.destroy_process_group(group)
+            (destroy or dist.destroy_process_group)(group)

@@ -49,3 +49,33 @@ def test_stock_runs_deepspeeds_layer_and_tune_asks_the_block_to_tune() -> None:
 def test_refuses_what_it_cannot_measure_before_launching(plan, message) -> None:
     with pytest.raises(SpecError, match=message):
         run(_job(**plan), timeout_s=1)
+
+
+def _jobs_in_one_process(rank: int, world: int) -> dict:
+    """Three DeepSpeed jobs in turn in one process, as the host-overhead probe trains them."""
+    import dataclasses
+
+    from torch.distributed.distributed_c10d import _world
+
+    from piper_deepspeed.measure import _train
+    from tests.deepspeed import deepspeed_comm
+
+    deepspeed_comm()
+    job = dataclasses.replace(_job(a2a="flat", a2a_chunks=2), steps=1, warmup=0, forward_steps=0, sync_grads=False)
+    before = len(_world.pg_map)
+    counts, losses = [], []
+    for j in (job, dataclasses.replace(job, stock=True), job):
+        losses.append(_train(j)["losses"][0])
+        counts.append(len(_world.pg_map))
+    return {"before": before, "counts": counts, "losses": losses}
+
+
+def test_each_job_destroys_its_groups_and_the_next_builds_its_own() -> None:
+    """The probe's DeepSpeed jobs leaked Piper's three all-to-all groups per job; destroying them with
+    torch's call alone would leave DeepSpeed's cached expert groups dead for the next job. Every job
+    ends with the groups it started with, and the second Piper job still trains (same first loss)."""
+    from tests.gloo import run_ranks
+
+    for r in run_ranks(2, _jobs_in_one_process):
+        assert r["counts"] == [r["before"]] * 3, r
+        assert abs(r["losses"][0] - r["losses"][2]) < 1e-6 and abs(r["losses"][0] - r["losses"][1]) < 1e-2, r
