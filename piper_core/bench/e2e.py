@@ -157,6 +157,19 @@ def variants(chunks: int) -> tuple[Variant, ...]:
     return tuple(out)
 
 
+def parse_variant(name: str) -> Variant:
+    """The variant named ``name``: ``stock``, ``ALGORITHM/CHUNKS`` or ``ALGORITHM/tune`` (``--variants``)."""
+    if name == "stock":
+        return Variant(name=name, stock=True)
+    algorithm, _, chunks = name.partition("/")
+    if algorithm not in ("flat", "hierarchical") or not (chunks == "tune" or chunks.isdigit() and int(chunks) >= 1):
+        raise ValueError(f"--variants: {name!r} is not a variant; name stock, ALGORITHM/CHUNKS or ALGORITHM/tune "
+                         f"with ALGORITHM flat or hierarchical (e.g. stock,flat/1,flat/4)")
+    if chunks == "tune":
+        return Variant(name=name, algorithm=algorithm, chunks=max(CHUNK_CHOICES), tune=True)
+    return Variant(name=name, algorithm=algorithm, chunks=int(chunks))
+
+
 def warmup_steps(variant: Variant, micro_batches: int = 2) -> int:
     """Untimed steps: :data:`WARMUP`, plus the tuning steps of a tuned variant (every MoE layer
     measures :data:`TUNE_CALLS` calls, one per micro-batch), so the timed steps run the choice."""
@@ -219,8 +232,11 @@ def run_variant(case: Case, variant: Variant, timed_steps: int = TIMED_STEPS) ->
         return {"variant": variant.name, "error": f"{type(exc).__name__}: {exc}", "wall_s": time.perf_counter() - start}
     s = summary(reports)
     timed = s["step_s"][warm:]
-    return {"variant": variant.name, "step_s": statistics.median(timed), "steps_s": s["step_s"], "warmup": warm,
-            "losses": s["losses"], "wall_s": time.perf_counter() - start}
+    out = {"variant": variant.name, "step_s": statistics.median(timed), "steps_s": s["step_s"], "warmup": warm,
+           "losses": s["losses"], "wall_s": time.perf_counter() - start}
+    if s.get("moe_phases_ms_per_step"):  # Piper's tracer (Megatron): rank 0's forward phases per timed step
+        out["moe_phases_ms_per_step"] = s["moe_phases_ms_per_step"]
+    return out
 
 
 def rounds_order(names: list[str], r: int) -> list[str]:
@@ -253,9 +269,10 @@ def model_error(predicted: float | None, measured: float | None) -> float | None
     return predicted / measured - 1 if predicted and measured else None
 
 
-def summarize(declared: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(declared: dict[str, Any], runs: list[dict[str, Any]], *, diagnostic: bool = False) -> dict[str, Any]:
     """Per variant: stats, speedup over stock, predicted step; the pipelining gain per algorithm
-    (X/N over X/1); and the verdicts the issue states, with the judged variant."""
+    (X/N over X/1); and the verdicts the issue states, with the judged variant. ``diagnostic`` (a
+    ``--variants`` subset): the same table, and no verdict."""
     by: dict[str, list[dict[str, Any]]] = {}
     for r in runs:
         by.setdefault(r["variant"], []).append(r)
@@ -275,7 +292,10 @@ def summarize(declared: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str,
     share = declared["exchange_share_of_stock"]
     verdict = {"judged": declared["judged"], "speedup_vs_stock": judged.get("speedup_vs_stock"),
                "pipelining_gain": gains, "failed_runs": sum(r["failed"] for r in table.values())}
-    if share >= 0.40:
+    if diagnostic:
+        verdict["target"] = "diagnostic run of chosen variants (--variants): no verdict"
+        verdict["met"] = None
+    elif share >= 0.40:
         verdict["target"] = "exchange >= 40 % of the stock step: judged >= 1.3x stock, pipelining >= 1.2x"
         verdict["met"] = bool(verdict["speedup_vs_stock"] and verdict["speedup_vs_stock"] >= 1.3
                               and max(gains.values(), default=0) >= 1.2 and not verdict["failed_runs"])
@@ -289,10 +309,10 @@ def summarize(declared: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str,
     return {"table": table, "pipelining_gain": gains, "verdict": verdict}
 
 
-def estimate_s(cases: list[Case], rounds: int, per_run_s: float = 45.0) -> float:
-    """A rough wall time: 7 variants x rounds x cases runs of about ``per_run_s``, plus ~3 min of
-    calibration per case."""
-    return len(cases) * (rounds * 7 * per_run_s + 180.0)
+def estimate_s(cases: list[Case], rounds: int, count: int = 7, per_run_s: float = 45.0) -> float:
+    """A rough wall time: ``count`` variants x rounds x cases runs of about ``per_run_s``, plus ~3 min
+    of calibration per case."""
+    return len(cases) * (rounds * count * per_run_s + 180.0)
 
 
 def machine() -> dict[str, Any]:
@@ -335,7 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profiles", type=Path, default=Path(".piper/e2e-profiles"),
                    help="calibration profiles of this machine, one per case (made if absent)")
     p.add_argument("--json", type=Path, default=Path("docs/e2e/results.json"), help="results (written after every run)")
+    p.add_argument("--variants", metavar="NAMES",
+                   help="a diagnostic run of these variants only (e.g. flat/1,flat/4); no verdict is given")
     a = p.parse_args(argv)
+    try:
+        chosen = None if a.variants is None else [parse_variant(n) for n in a.variants.split(",")]
+    except ValueError as exc:
+        p.error(str(exc))
     why = emulation_available()
     if why is not None:
         print(f"piper bench-e2e: the emulated cluster cannot be built here: {why}", file=sys.stderr)
@@ -357,19 +383,20 @@ def main(argv: list[str] | None = None) -> int:
                                          for w in a.workloads.split(",")},
                            "rounds": a.rounds, "steps_timed": a.timed_steps,
                            "cases": []}
-    print(f"piper bench-e2e: {len(cases)} cases x 7 variants x {a.rounds} rounds, about "
-          f"{estimate_s(cases, a.rounds) / 3600:.1f} h", flush=True)
+    count = len(chosen) if chosen else 7
+    print(f"piper bench-e2e: {len(cases)} cases x {count} variants x {a.rounds} rounds, about "
+          f"{estimate_s(cases, a.rounds, count) / 3600:.1f} h", flush=True)
     for case in cases:
         cluster = load_profile(calibrate(case, a.profiles))
         declared = declare(case, cluster)
-        entry = {"declared": declared, "runs": []}
+        entry = {"declared": declared, "runs": []} | ({"variants": [v.name for v in chosen]} if chosen else {})
         out["cases"].append(entry)
         _write(a.json, out)
         print(f"[{case.name}] declared before the runs: judged {declared['judged']}, pipelined variants in "
               f"{declared['chunks']} chunks; predicted exchange share of the stock step "
               f"{declared['exchange_share_of_stock']:.0%}", flush=True)
-        names = [v.name for v in variants(declared["chunks"])]
-        by_name = {v.name: v for v in variants(declared["chunks"])}
+        run_these = chosen or variants(declared["chunks"])
+        names, by_name = [v.name for v in run_these], {v.name: v for v in run_these}
         for r in range(a.rounds):
             for name in rounds_order(names, r):
                 run = run_variant(case, by_name[name], a.timed_steps) | {"round": r}
@@ -378,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
                 shown = f"{run['step_s']:.3f} s" if "step_s" in run else run["error"]
                 print(f"[{case.name}] round {r + 1}/{a.rounds} {name:18s} {shown}  ({run['wall_s']:.0f} s wall)",
                       flush=True)
-        entry["summary"] = summarize(declared, entry["runs"])
+        entry["summary"] = summarize(declared, entry["runs"], diagnostic=chosen is not None)
         _write(a.json, out)
     from piper_core.bench.e2e_report import report
 

@@ -49,7 +49,7 @@ def case_table(entry: dict[str, Any], profiles: Path | None = None) -> str:
     from piper_core.bench.e2e import model_error, predicted_step, summarize
 
     declared = entry["declared"]
-    summary = entry.get("summary") or summarize(declared, entry["runs"])
+    summary = entry.get("summary") or summarize(declared, entry["runs"], diagnostic="variants" in entry)
     again = repredict(declared, profiles) if profiles is not None else None
     extra = " re-predicted s | error |" if again else ""
     lines = [f"**{declared['case']}** (plan ep {declared['plan']['ep']}, mbs {declared['plan']['mbs']}, "
@@ -73,7 +73,29 @@ def case_table(entry: dict[str, Any], profiles: Path | None = None) -> str:
     lines += ["", f"Pipelining alone (same exchange): {gains or '-'}. Target: {v['target']}: **{met}** "
                   f"(judged `{v['judged']}` {_s(v['speedup_vs_stock'], '{:.2f}x')} stock; failed runs "
                   f"{v['failed_runs']})."]
-    return "\n".join(lines)
+    return "\n".join(lines + phases_table(entry["runs"]))
+
+
+def phases_table(runs: list[dict[str, Any]]) -> list[str]:
+    """Where Piper's MoE layers spent each step's forward (the trainer's tracer, rank 0; Megatron runs
+    only): per variant the median over rounds of the dispatch, expert and combine milliseconds per
+    step. In a pipelined exchange ``dispatch + combine`` is the exchange time the experts did not hide
+    (piper_megatron/trace.py). Empty when no run recorded phases."""
+    from statistics import median
+
+    by: dict[str, list[dict[str, float]]] = {}
+    for r in runs:
+        if r.get("moe_phases_ms_per_step"):
+            by.setdefault(r["variant"], []).append(r["moe_phases_ms_per_step"])
+    if not by:
+        return []
+    lines = ["", "Forward of the MoE layers per step (rank 0, Piper's tracer; median over rounds):", "",
+             "| variant | dispatch ms | expert ms | combine ms | exchange not hidden ms |", "|---|---:|---:|---:|---:|"]
+    for name, rows in by.items():
+        d, e, c = (median(r.get(k, 0.0) for r in rows) for k in ("dispatch", "expert", "combine"))
+        exposed = median(r.get("dispatch", 0.0) + r.get("combine", 0.0) for r in rows)
+        lines.append(f"| `{name}` | {d:.0f} | {e:.0f} | {c:.0f} | {exposed:.0f} |")
+    return lines
 
 
 def report(results: dict[str, Any], profiles: Path | None = None) -> str:
@@ -100,7 +122,7 @@ def headline(results: list[dict[str, Any]], profiles: Path | None = None) -> str
             if not entry["runs"]:
                 continue
             d = entry["declared"]
-            s = entry.get("summary") or summarize(d, entry["runs"])
+            s = entry.get("summary") or summarize(d, entry["runs"], diagnostic="variants" in entry)
             v, judged = s["verdict"], s["table"].get(d["judged"], {})
             algorithm = d["judged"].split("/")[0]
             gain = s["pipelining_gain"].get(algorithm)

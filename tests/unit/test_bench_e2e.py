@@ -13,12 +13,14 @@ from piper_core.bench.e2e import (
     Case,
     base_plan,
     declare,
+    main,
+    parse_variant,
     rounds_order,
     summarize,
     variants,
     warmup_steps,
 )
-from piper_core.bench.e2e_report import report
+from piper_core.bench.e2e_report import case_table, report
 from piper_core.emulate.spec import emulated_cluster_spec
 from piper_core.presets import load_cluster
 from piper_core.timing.step import step_time
@@ -141,3 +143,31 @@ def test_repredicting_from_other_profiles_keeps_the_declared_judged_variant(tmp_
     with pytest.raises(SystemExit):  # a folder without the case's profile: a clear error, not a traceback
         main([str(results), "--profiles", str(tmp_path)])
     assert "no profile megatron-2x1-50mbit.yaml" in capsys.readouterr().err
+
+
+def test_a_diagnostic_subset_runs_the_named_variants_and_gives_no_verdict():
+    assert [parse_variant(n).plan(base_plan(CASE)).a2a_chunks for n in ("flat/1", "hierarchical/4")] == [1, 4]
+    assert parse_variant("stock").stock and parse_variant("flat/tune").tune
+    for bad in ("pipelined/2", "flat/0", "flat/x", "stock/1"):
+        with pytest.raises(ValueError, match="is not a variant.*ALGORITHM/CHUNKS"):
+            parse_variant(bad)
+    with pytest.raises(SystemExit):  # refused before any calibration or run
+        main(["--variants", "flat/1,bogus", "--json", "/dev/null"])
+    times = {"stock": [3.0] * 3, "flat/1": [2.0] * 3, "flat/4": [1.5] * 3}
+    full = summarize(_declared(0.5), _runs(times))
+    diag = summarize(_declared(0.5), _runs(times), diagnostic=True)
+    assert full["verdict"]["met"] is True and diag["verdict"]["met"] is None
+    assert "no verdict" in diag["verdict"]["target"] and diag["table"] == full["table"]
+
+
+def test_the_report_shows_the_forward_phases_the_tracer_recorded():
+    runs = _runs({"stock": [3.0, 3.0], "flat/1": [2.0, 2.0], "flat/4": [1.5, 1.5]})
+    for r in runs:
+        if r["variant"] != "stock":
+            chunked = r["variant"] == "flat/4"
+            r["moe_phases_ms_per_step"] = {"dispatch": 100.0 if chunked else 400.0, "expert": 900.0,
+                                           "combine": 50.0 if chunked else 300.0, "calls": 8}
+    text = case_table({"declared": _declared(0.5), "runs": runs})
+    assert "| `flat/1` | 400 | 900 | 300 | 700 |" in text and "| `flat/4` | 100 | 900 | 50 | 150 |" in text
+    assert "`stock` |" not in text.split("Forward of the MoE layers")[1]  # stock has no tracer
+    assert "Forward of the MoE layers" not in case_table({"declared": _declared(0.5), "runs": _runs({"stock": [1.0]})})
