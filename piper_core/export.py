@@ -23,13 +23,18 @@ from piper_core.specs.parallel import ParallelPlan
 Flag = tuple[str, str | int | float | None]  # (flag, value); value None: a switch
 
 
+def overlap_suffix(plan: ParallelPlan) -> str:
+    """``+shx`` / ``+epov`` / ``+dwg`` for the overlaps a plan's exchange runs with (labels)."""
+    return "".join(s for on, s in ((plan.shared_expert_overlap, "+shx"), (plan.ep_comm_overlap, "+epov"),
+                                   (plan.defer_wgrad, "+dwg")) if on)
+
+
 def plan_label(plan: ParallelPlan, *, gbs: bool = False) -> str:
     """Compact plan label used by every report, e.g.
     ``tp2 pp4 vpp2 cp1 ep8 etp1 mbs1 sel dopt hierarchical/4`` (``gbs``: with the global batch;
     ``/N``: the exchange pipelined in N chunks; ``+shx``: shared expert overlapped; ``+epov``:
-    Megatron's EP overlap)."""
-    a2a = plan.a2a + (f"/{plan.a2a_chunks}" if plan.a2a_chunks > 1 else "")
-    a2a += ("+shx" if plan.shared_expert_overlap else "") + ("+epov" if plan.ep_comm_overlap else "")
+    Megatron's EP overlap; ``+dwg``: expert weight gradients deferred)."""
+    a2a = plan.a2a + (f"/{plan.a2a_chunks}" if plan.a2a_chunks > 1 else "") + overlap_suffix(plan)
     rc = {"none": "norc", "selective": "sel", "full": f"full{plan.recompute_num_layers}"}[plan.recompute]
     split = "".join(f" {k}{v}" for k, v in (("first", plan.num_layers_in_first_pipeline_stage),
                                             ("last", plan.num_layers_in_last_pipeline_stage)) if v)

@@ -18,13 +18,13 @@ KEYS: dict[str, str] = {
     "recompute_layers": "recompute_num_layers", "dist_opt": "distributed_optimizer",
     "grad_bf16": "grad_reduce_in_bf16", "offload": "optimizer_offload_fraction",
     "precision": "precision", "attention": "attention_backend", "a2a": "a2a", "chunks": "a2a_chunks",
-    "shx": "shared_expert_overlap", "epov": "ep_comm_overlap",
+    "shx": "shared_expert_overlap", "epov": "ep_comm_overlap", "dwg": "defer_wgrad",
     "first_stage_layers": "num_layers_in_first_pipeline_stage",
     "last_stage_layers": "num_layers_in_last_pipeline_stage",
 }
 _INTS = {"tp", "pp", "vpp", "ep", "etp", "cp", "mbs", "gbs", "recompute_layers", "chunks",
          "first_stage_layers", "last_stage_layers"}
-_BOOLS = {"sp", "dist_opt", "grad_bf16", "shx", "epov"}
+_BOOLS = {"sp", "dist_opt", "grad_bf16", "shx", "epov", "dwg"}
 _FLOATS = {"offload"}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 

@@ -12,6 +12,7 @@ from typing import TextIO
 from piper_core.cli.parse import add_target_args, target_cluster
 from piper_core.cli.progress import Progress
 from piper_core.errors import SpecError
+from piper_core.export import overlap_suffix
 from piper_core.export import plan_label as describe
 from piper_core.presets import load_model
 from piper_core.resource.memory import GIB
@@ -181,8 +182,7 @@ def runtime_bests(model: ModelSpec, cluster, result: SearchResult, ranked: list 
 
 
 def _exchange(plan) -> str:
-    text = f"{plan.a2a}/{plan.a2a_chunks}"
-    return text + ("+shx" if plan.shared_expert_overlap else "") + ("+epov" if plan.ep_comm_overlap else "")
+    return f"{plan.a2a}/{plan.a2a_chunks}" + overlap_suffix(plan)
 
 
 def _a2a_share(p: Prediction) -> float:

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from piper_core.cli.parse import add_target_args, parse_parallel, target_cluster
+from piper_core.export import overlap_suffix
 from piper_core.presets import load_model
 from piper_core.resource.memory import GIB
 from piper_core.resource.predict import Prediction, predict, to_json
@@ -49,7 +50,8 @@ def render(p: Prediction) -> str:
         f"plan: tp={plan.tp} pp={plan.pp} vpp={plan.vpp or 1} cp={plan.cp} dp={plan.dp} | ep={plan.ep} "
         f"etp={plan.etp_size} edp={plan.edp} | mbs={plan.micro_batch_size} gbs={plan.global_batch_size} "
         f"({plan.num_microbatches} micro-batches) | sp={int(plan.sequence_parallel)} recompute={plan.recompute} "
-        f"dist_opt={int(plan.distributed_optimizer)} {plan.precision} attention={plan.attention_backend} a2a={plan.a2a}",
+        f"dist_opt={int(plan.distributed_optimizer)} {plan.precision} attention={plan.attention_backend} "
+        f"a2a={plan.a2a}/{plan.a2a_chunks}{overlap_suffix(plan)}",
         f"parameters: total {_si(p.params_total)}, active per token {_si(p.params_active)}",
         f"FLOPs/step: model {p.flops.model:.3e} (Megatron definition), hardware {p.flops.hardware:.3e} "
         f"({p.flops.tokens:,} tokens)",

@@ -41,6 +41,12 @@ accumulate into ``.grad`` directly (hooks fire once per chunk).
 When ``meta`` was planned with an :class:`~piper_core.runtime.autochunks.AutoChunks` that is still
 measuring (``meta.tuner``), the call times its forward and its backward (each from entry to return,
 experts included) and reports the sum to the tuner.
+
+``defer_wgrad`` (needs ``params``): each chunk's expert backward computes the input gradients
+first, posts the gradient of its dispatch, and only then the experts' weight gradients
+(:func:`~piper_core.runtime.wgrad.split_backward`), so the weight GEMMs run while that exchange is in
+flight; unpipelined (``chunks == 1``) too, where it is the only overlap in backward. Every gradient
+is bit-identical to the undeferred backward (the same autograd nodes on the same tensors).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ import torch
 from piper_core.errors import SpecError
 from piper_core.runtime.alltoall import ExchangePlan, PendingExchange, check_device, start_exchange
 from piper_core.runtime.dispatch import DispatchMeta, take
+from piper_core.runtime.wgrad import WeightPass, split_backward
 
 
 class ExpertFn(Protocol):
@@ -72,7 +79,7 @@ class ScheduleEvent:
     benchmarks may time-stamp them)."""
 
     direction: Literal["forward", "backward"]
-    action: Literal["post", "wait", "experts"]
+    action: Literal["post", "wait", "experts", "wgrad"]
     exchange: Literal["dispatch", "combine", "none"]
     chunk: int
 
@@ -82,12 +89,14 @@ _T = TypeVar("_T")
 
 
 def moe_alltoall(x: torch.Tensor, meta: DispatchMeta, experts: ExpertFn, *, probs: torch.Tensor | None = None,
-                 params: Sequence[torch.Tensor] = (), on_event: EventFn | None = None) -> torch.Tensor:
+                 params: Sequence[torch.Tensor] = (), on_event: EventFn | None = None,
+                 defer_wgrad: bool = False) -> torch.Tensor:
     """Dispatch ``x`` ``[rows_in, ...]`` (and ``probs`` ``[rows_in, ...]``, moved alongside) to the
     experts, run ``experts`` per chunk, combine: -> ``[rows_in, ...]`` in ``x``'s order.
     Differentiable in ``x``, ``probs`` and the experts' parameters; ``meta`` from ``plan_dispatch``.
     ``params``: every parameter the experts use; each then gets one gradient accumulation per
-    backward whatever the chunk count (see the module doc; the adapters always pass them)."""
+    backward whatever the chunk count (see the module doc; the adapters always pass them).
+    ``defer_wgrad``: compute their gradients after posting each chunk's dispatch gradient (module doc)."""
     for key, t in (("x", x), ("probs", probs)):
         if t is not None and t.shape[0] != meta.rows_in:
             raise SpecError(f"{key}.shape[0]", t.shape[0], f"must equal the tokens this rank sends "
@@ -95,7 +104,10 @@ def moe_alltoall(x: torch.Tensor, meta: DispatchMeta, experts: ExpertFn, *, prob
                             "plan_dispatch with this step's counts; sort tokens by expert")
     check_device(x, meta.device, "plan_dispatch")
     trained = tuple(p for p in params if p.requires_grad)
-    run = _Run(meta=meta, experts=experts, on_event=on_event, x=x, probs=probs, params=trained)
+    if defer_wgrad and not trained:
+        raise SpecError("defer_wgrad", True, "needs the experts' trained parameters in params (the gradients it "
+                        "defers)", "pass params=<the experts' parameters>, or defer_wgrad=False")
+    run = _Run(meta=meta, experts=experts, on_event=on_event, x=x, probs=probs, params=trained, defer=defer_wgrad)
     if not torch.is_grad_enabled():
         return run.timed(run.forward, x, probs, build_graph=False)
     anchor = torch.empty(0, requires_grad=True)  # the output needs a graph even if only parameters do
@@ -123,8 +135,9 @@ class _Run:
     """The state of one call (what forward keeps for backward); never outlives it."""
 
     def __init__(self, *, meta: DispatchMeta, experts: ExpertFn, on_event: EventFn | None,
-                 x: torch.Tensor, probs: torch.Tensor | None, params: tuple[torch.Tensor, ...] = ()):
-        self.meta, self.experts, self.on_event, self.params = meta, experts, on_event, params
+                 x: torch.Tensor, probs: torch.Tensor | None, params: tuple[torch.Tensor, ...] = (),
+                 defer: bool = False):
+        self.meta, self.experts, self.on_event, self.params, self.defer = meta, experts, on_event, params, defer
         self.grads: list[torch.Tensor | None] = [None] * len(params)  # summed over the chunks' backward
         self.kinds = [(t.dtype, tuple(t.shape[1:])) for t in (x, probs) if t is not None]
         self.saved: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None] = []
@@ -208,29 +221,39 @@ class _Run:
                                          "backward", "combine", k + 1)
             g_out = self._wait(back.pop(k), "backward", "combine", k)
             self._advance()
-            g_in = self._experts_backward(k, take(g_out, ch.to_experts))
+            g_in, weight_pass = self._experts_backward(k, take(g_out, ch.to_experts))
             disp.append(self._post(take(g_in, ch.from_experts), ch.dispatch, True, "backward", "dispatch", k))
+            if weight_pass is not None:  # defer_wgrad: the weight GEMMs while that gradient is in flight
+                self._event("backward", "wgrad", "none", k)
+                self._add_param_grads(weight_pass())
         g = [self._wait(p, "backward", "dispatch", k) for k, p in enumerate(disp)]
         gx, gp = unpack(take(torch.cat(g) if len(g) > 1 else g[0], self.meta.restore), self.kinds)
         return gx, gp
 
-    def _experts_backward(self, k: int, grad_out: torch.Tensor) -> torch.Tensor:
-        """Backward of chunk ``k``'s experts: packed gradients of their inputs (tokens, probs)."""
+    def _experts_backward(self, k: int, grad_out: torch.Tensor) -> tuple[torch.Tensor, WeightPass | None]:
+        """Backward of chunk ``k``'s experts: packed gradients of their inputs (tokens, probs), and
+        with ``defer`` the pass that computes the parameters' (else they are already summed)."""
         tokens, probs, out = self.saved[k]  # type: ignore[misc]
         self.saved[k] = None
         self._event("backward", "experts", "none", k)
         inputs = [t for t in (tokens, probs) if t is not None]
+        weight_pass = None
         if not out.requires_grad:
             got: list[torch.Tensor | None] = [None] * (len(inputs) + len(self.params))
+        elif self.defer:
+            got, weight_pass = split_backward(out, grad_out, inputs, self.params)
         elif self.params:  # gradients returned, not accumulated: one accumulation per parameter in backward()
             got = list(torch.autograd.grad(out, [*inputs, *self.params], grad_out, allow_unused=True))
         else:
             torch.autograd.backward(out, grad_out)
             got = [t.grad for t in inputs]
-        for i, g in enumerate(got[len(inputs):]):
+        self._add_param_grads(got[len(inputs):])
+        return pack([g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, got)]), weight_pass
+
+    def _add_param_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
+        for i, g in enumerate(grads):
             if g is not None:
                 self.grads[i] = g if self.grads[i] is None else self.grads[i] + g
-        return pack([g if g is not None else torch.zeros_like(t) for t, g in zip(inputs, got)])
 
     def param_grads(self) -> list[torch.Tensor]:
         """Each of ``params``' gradient summed over the chunks (zeros where no chunk gave one)."""

@@ -68,6 +68,7 @@ class ParallelPlan:
     a2a_chunks: int = 1
     shared_expert_overlap: bool = False
     ep_comm_overlap: bool = False
+    defer_wgrad: bool = False  # Piper's runtime: expert weight gradients after the dispatch gradient is posted
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
 
@@ -128,6 +129,9 @@ class ParallelPlan:
                             "set precision=bf16 or grad_reduce_in_bf16=false")
         if self.ep_comm_overlap:
             self._check_ep_comm_overlap()
+        if self.defer_wgrad and self.ep_comm_overlap:
+            raise SpecError("defer_wgrad", True, "and ep_comm_overlap both move the experts' weight gradients (Megatron's "
+                            "overlap brings its own --delay-wgrad-compute)", "set defer_wgrad=false with ep_comm_overlap")
 
     def _check_ep_comm_overlap(self) -> None:
         """Megatron-Core 0.16's rules for ``overlap_moe_expert_parallel_comm`` (TransformerConfig)."""

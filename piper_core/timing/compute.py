@@ -56,6 +56,7 @@ class LayerShape:
     a2a: str
     chunks: int
     shared_overlap: bool = False
+    deferred_wgrad: bool = False  # expert weight gradients computed while the dispatch gradient is in flight
     ep_overlap: float = 0.0  # share of micro-batches whose exchanges Megatron's EP overlap hides
 
     def tokens_for(self, model: ModelSpec) -> int:

@@ -49,7 +49,7 @@ def shape_of(plan: ParallelPlan) -> LayerShape:
     return LayerShape(tp=plan.tp, cp=plan.cp, ep=plan.ep, etp=plan.etp_size, sp=plan.sequence_parallel,
                       mbs=plan.micro_batch_size, recompute=plan.recompute, attention_backend=plan.attention_backend,
                       precision=plan.precision, a2a=plan.a2a, chunks=plan.a2a_chunks,
-                      shared_overlap=plan.shared_expert_overlap, ep_overlap=overlap)
+                      shared_overlap=plan.shared_expert_overlap, ep_overlap=overlap, deferred_wgrad=plan.defer_wgrad)
 
 
 def _tp_comm(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, blocks: int) -> tuple[float, float]:
@@ -121,6 +121,23 @@ def _exchange_exposed(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec,
     return pipeline_time(way + (("experts", experts_chunk),) + way[::-1], chunks) - chunks * experts_chunk
 
 
+def _backward_deferred_exposed(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, experts_chunk: float,
+                               chunks: int) -> float:
+    """Exposed exchange time of the backward with the weight gradients deferred (``defer_wgrad``):
+    per chunk the combine's gradient, the experts' input gradients (half of ``2 * experts_chunk``),
+    then the dispatch's gradient leaves while the experts compute the weight gradients, which are on
+    the experts' resource but on no chunk's path. The first chunk's path is therefore the combine's
+    stages, the input gradients, then the longer of the dispatch's stages and the weight gradients;
+    each further chunk adds a period of the busiest resource (as :func:`pipeline_time`)."""
+    way = _dispatch_stages(model, shape, cluster, chunks)
+    load: dict[str, float] = {"experts": 2 * experts_chunk}
+    for resource, t in way + way[::-1]:
+        load[resource] = load.get(resource, 0.0) + t
+    one_way = sum(t for _, t in way)
+    path = one_way + experts_chunk + max(one_way, experts_chunk)
+    return path + (chunks - 1) * max(load.values()) - chunks * 2 * experts_chunk
+
+
 @functools.lru_cache(maxsize=4096)
 def layer_cost(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, moe: bool) -> LayerCost:
     """Cost of one dense or MoE layer under ``shape`` on ``cluster``."""
@@ -141,7 +158,8 @@ def layer_cost(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, moe: b
     _, exp_chunk = moe_forward(model, shape, acc, chunks=chunks)
     exp_f, exp_b = chunks * exp_chunk, 2 * chunks * exp_chunk
     a2a_f = _exchange_exposed(model, shape, cluster, exp_chunk, chunks)
-    a2a_b = _exchange_exposed(model, shape, cluster, 2 * exp_chunk, chunks)
+    a2a_b = (_backward_deferred_exposed if shape.deferred_wgrad else _exchange_exposed)(
+        model, shape, cluster, exp_chunk if shape.deferred_wgrad else 2 * exp_chunk, chunks)
     if shape.shared_overlap and chunks == 1:
         # Megatron's --moe-shared-expert-overlap: the shared expert's forward computes while the
         # forward exchanges are in flight (fc1 beside dispatch, fc2 beside combine, in Megatron-Core's

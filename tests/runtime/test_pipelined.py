@@ -275,3 +275,52 @@ def test_params_get_one_accumulation_per_backward_at_any_chunk_count() -> None:
             assert fired == {"w": 1, "b": 1} and same, (rank, chunks, fired, same)
             fired, same = result[f"chunks={chunks} params=False"]
             assert fired == {"w": chunks, "b": chunks} and same, (rank, chunks, fired, same)
+
+
+# --- deferred weight gradients (defer_wgrad) ----------------------------------------------------------
+
+def _deferred(rank: int, world: int) -> dict[str, object]:
+    """Per algorithm and chunk count: whether ``defer_wgrad`` gives gradients bit-identical to the
+    undeferred backward, how often each parameter's accumulation hook fired, and the backward events."""
+    comm = create_comm(NodeTopology.uniform(world_size=world, ranks_per_node=1))
+    counts = moe_cases(world, 5)[0][1]
+    x, probs = _inputs(rank, counts, 5)
+    up = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    experts = LinearExperts(counts.shape[1] // world, 7 + rank)
+    fired = {"w": 0, "b": 0}
+    experts.w.register_post_accumulate_grad_hook(lambda p: fired.__setitem__("w", fired["w"] + 1))
+    experts.b.register_post_accumulate_grad_hook(lambda p: fired.__setitem__("b", fired["b"] + 1))
+    params = (experts.w, experts.b)
+    out: dict[str, object] = {}
+    for alg in Algorithm:
+        for chunks in (1, 3):
+            meta = plan_dispatch(counts, comm=comm, algorithm=alg, chunks=chunks)
+            want = _fwd_bwd(lambda a, p: moe_alltoall(a, meta, experts, probs=p, params=params), x, probs, experts, up)
+            events: list[ScheduleEvent] = []
+            fired.update(w=0, b=0)
+            got = _fwd_bwd(lambda a, p: moe_alltoall(a, meta, experts, probs=p, params=params, on_event=events.append,
+                                                     defer_wgrad=True), x, probs, experts, up)
+            out[f"{alg.value}/{chunks}"] = (_same(got, want, exact=True), dict(fired),
+                                           [e for e in events if e.direction == "backward"])
+    try:
+        moe_alltoall(x, plan_dispatch(counts, comm=comm, algorithm=Algorithm.FLAT), experts, probs=probs,
+                     defer_wgrad=True)
+    except SpecError as exc:
+        out["no params"] = str(exc)
+    return out
+
+
+def test_deferred_weight_gradients_are_bit_identical_and_computed_while_the_dispatch_gradient_flies() -> None:
+    for rank, result in enumerate(run_ranks(2, _deferred, timeout_s=120)):
+        assert "defer_wgrad=True: needs the experts' trained parameters in params" in result.pop("no params")
+        for case, (same, fired, ev) in result.items():
+            assert same, (rank, case)  # outputs, input and parameter gradients: torch.equal
+            assert fired == {"w": 1, "b": 1}, (rank, case, fired)  # still one accumulation per parameter
+            chunks = int(case.split("/")[1])
+            assert [e.chunk for e in ev if e.action == "wgrad"] == list(range(chunks)), (rank, case)
+            for k in range(chunks):
+                # chunk k's weight GEMMs run after its dispatch gradient is posted and before it is waited
+                assert _at(ev, "backward", "post", "dispatch", k) < _at(ev, "backward", "wgrad", "none", k) \
+                    < _at(ev, "backward", "wait", "dispatch", k), (rank, case)
+                if k + 1 < chunks:  # ... and before the next chunk's experts
+                    assert _at(ev, "backward", "wgrad", "none", k) < _at(ev, "backward", "experts", "none", k + 1)

@@ -104,3 +104,35 @@ def test_more_inter_node_bandwidth_never_slows_a_pipelined_hierarchical_plan():
         cluster = dataclasses.replace(H100, links=(nv, dataclasses.replace(ib, bandwidth_gb_per_s=ib.bandwidth_gb_per_s * f)))
         times.append(_step(SWITCH, cluster, **SWITCH_1024, a2a="hierarchical", a2a_chunks=4).step)
     assert times == sorted(times, reverse=True) and times[0] > times[-1]
+
+
+def test_deferred_weight_gradients_hide_at_most_themselves_and_only_in_backward():
+    """``defer_wgrad``: the dispatch gradient leaves before the weight GEMMs. Unpipelined it hides
+    min(the dispatch gradient's exchange, the experts' weight gradients) of the backward and nothing
+    else; pipelined it never prices a chunk count slower than without it."""
+    from piper_core.cli.parse import parse_parallel
+    from piper_core.export import plan_label
+    from piper_core.runners import RUNNERS
+    from piper_core.timing.compute import moe_forward
+
+    for model, cluster, kw in ((SWITCH, H100, SWITCH_1024),
+                               (load_model("tiny-moe"), load_cluster("cpu-local"), dict(gpus=2, ep=2, global_batch_size=8))):
+        for a2a in ("flat", "hierarchical"):
+            for chunks in (1, 2, 4, 8):
+                base = plan(model, **kw, a2a=a2a, a2a_chunks=chunks)
+                deferred = dataclasses.replace(base, defer_wgrad=True)
+                was = layer_cost(model, shape_of(base), cluster, True)
+                now = layer_cost(model, shape_of(deferred), cluster, True)
+                assert (now.a2a_fwd, now.compute_fwd, now.compute_bwd) == (was.a2a_fwd, was.compute_fwd, was.compute_bwd)
+                assert now.a2a_bwd <= was.a2a_bwd + 1e-15, (model.name, a2a, chunks)
+                if chunks == 1:
+                    wgrad = moe_forward(model, shape_of(base), cluster.accelerator)[1]  # one GEMM pass of the experts
+                    assert was.a2a_bwd - now.a2a_bwd == pytest.approx(min(was.a2a_raw, wgrad), rel=1e-9)
+    p = parse_parallel("tp=2,sp=1,ep=256,etp=2,mbs=4,gbs=2048,a2a=hierarchical,dwg=1", 1024)
+    assert p.defer_wgrad and plan_label(p).endswith("hierarchical+dwg")
+    assert step_time(SWITCH, p, H100).step < step_time(SWITCH, dataclasses.replace(p, defer_wgrad=False), H100).step
+    reasons = {name: rule(p) for name, rule in RUNNERS.items()}
+    assert all(r and r.startswith("defer_wgrad: ") for r in reasons.values()), reasons  # no adapter runs it yet
+    assert "custom autograd Functions" in reasons["megatron --piper"]
+    with pytest.raises(Exception, match="defer_wgrad=True: and ep_comm_overlap both move"):
+        ParallelPlan(gpus=8, ep=8, global_batch_size=8, ep_comm_overlap=True, defer_wgrad=True)
