@@ -21,6 +21,9 @@ class SpecError(ValueError):
         prefix = f"{where}: " if where else ""
         super().__init__(f"{prefix}{key}={value!r}: {rule}; {fix}")
 
+    def __reduce__(self):  # pickled whole (a forked search worker sends its errors back)
+        return _spec_error, (self.key, self.value, self.rule, self.fix, self.where)
+
 
 class Infeasible(ValueError):
     """A plan that is well formed but cannot run; ``reason`` is one sentence for the report."""
@@ -28,6 +31,17 @@ class Infeasible(ValueError):
     def __init__(self, reason: str, *, rule: str):
         self.reason, self.rule = reason, rule
         super().__init__(reason)
+
+    def __reduce__(self):
+        return _infeasible, (self.reason, self.rule)
+
+
+def _spec_error(key: str, value: object, rule: str, fix: str, where: str | None) -> SpecError:
+    return SpecError(key, value, rule, fix, where=where)
+
+
+def _infeasible(reason: str, rule: str) -> Infeasible:
+    return Infeasible(reason, rule=rule)
 
 
 def nearest(word: str, choices: Iterable[str]) -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -43,7 +44,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--export-deepspeed", metavar="FILE", help="write a DeepSpeed JSON config for the best plan")
     p.add_argument("--plot", metavar="DIR", help="write timeline, memory and Pareto PNGs for the best plan")
     p.add_argument("--detail", action="store_true", help="also print the full prediction of the best plan")
+    p.add_argument("--workers", type=int, default=None,
+                   help="processes that search (forked; default: the CPUs this process may use, at most "
+                        f"{MAX_WORKERS}); 1 searches in this process. The result does not depend on it")
     p.set_defaults(func=run)
+
+
+MAX_WORKERS = 8
+
+
+def default_workers() -> int:
+    return max(1, min(MAX_WORKERS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else
+                      os.cpu_count() or 1))
 
 
 def default_gbs(model: ModelSpec, gpus: int) -> int:
@@ -61,9 +73,12 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError("--memory-headroom", args.memory_headroom, "must be in [0, 1)", "use e.g. 0.1 to keep 10 % free")
     if args.top < 1:
         raise SpecError("--top", args.top, "must be at least 1", "show e.g. --top 5 plans")
+    if args.workers is not None and args.workers < 1:
+        raise SpecError("--workers", args.workers, "must be at least 1", "use 1 to search in this process")
     gbs = args.gbs or default_gbs(model, args.gpus)
     result = search(model, cluster, args.gpus, gbs, memory_headroom=args.memory_headroom,
-                    attention_backend=args.attention, progress=Progress("searching"))
+                    attention_backend=args.attention, progress=Progress("searching"),
+                    workers=args.workers or default_workers())
     # --json: standard output carries the JSON object alone; notes go to standard error
     notes = sys.stderr if args.json else sys.stdout
     ranked = result.best(result.feasible)

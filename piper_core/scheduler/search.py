@@ -12,6 +12,8 @@ by lower peak memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 import itertools
 import math
 import operator
@@ -110,7 +112,8 @@ def _structural(model: ModelSpec, gpus: int, gbs: int, combo: tuple,
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, gpus: int, gbs: int, *, space: SearchSpace | None = None,
-           memory_headroom: float = 0.0, attention_backend: str = "flash", progress=None) -> SearchResult:
+           memory_headroom: float = 0.0, attention_backend: str = "flash", progress=None,
+           workers: int = 1) -> SearchResult:
     """Evaluate every plan of ``space`` (default: :func:`default_space`).
 
     ``memory_headroom`` is the fraction of capacity kept free (0.1: plans must fit in 90 %).
@@ -123,74 +126,141 @@ def search(model: ModelSpec, cluster: ClusterSpec, gpus: int, gbs: int, *, space
     cost (:class:`ExchangeVariants`), and layer costs and the other step-time terms are memoised for
     the whole search; two plans that differ only in the distributed optimizer share their checks and
     activations (:class:`_Memory`).
+
+    ``workers`` > 1 splits the grid into that many contiguous parts of about equal work and scans
+    all but the first in forked processes (:mod:`.parallel`): the result is the same, in the same
+    order. Only for a process that may fork (the ``piper plan`` CLI); the adapters plan inside
+    training processes and keep the default.
+
+    The cyclic garbage collector is paused meanwhile: the search allocates hundreds of thousands of
+    short-lived objects and makes no reference cycles, and the collections those allocations set off
+    cost about 12 % of its time (deepseek-v3 at 1024 GPUs, 2026-12-05).
     """
     space = space or default_space(model, cluster, gpus)
-    limit = cluster.capacity_gib * GIB * (1.0 - memory_headroom)
-    result, start = SearchResult(), time.perf_counter()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _search(model, cluster, gpus, space, gbs, memory_headroom, attention_backend, progress, workers)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _search(model: ModelSpec, cluster: ClusterSpec, gpus: int, space: SearchSpace, gbs: int, memory_headroom: float,
+            attention_backend: str, progress, workers: int) -> SearchResult:
+    start = time.perf_counter()
     # grid(space)'s order: the first seven dimensions outside, recompute and optimizer inside
     outer = list(itertools.product(space.tp, space.pp, space.vpp, space.cp, space.ep, space.etp_equals_tp, space.mbs))
-    inner = list(itertools.product(space.recompute, space.distributed_optimizer))
-    total = len(outer) * len(inner)
-    cache: dict = {}  # step-time terms shared by this search's plans (ExchangeVariants)
-    checked: set = set()  # variants built once through ParallelPlan's checks (see _score)
-    memory = _Memory(model, cluster, space, limit)
-    variants_of: dict[tuple, tuple[A2AVariant, ...]] = {}
-    scored, rejected = result.scored, result.rejected
-    for n, prefix in enumerate(outer):
-        if progress and n % 64 == 0:
-            progress(n * len(inner), total)
-        tp, etp_is_tp = prefix[0], prefix[5]
-        if (etp_is_tp and tp == 1) or not inner:
-            continue  # the same plan as etp=1
-        combos = []
-        for rest in inner:
-            combo = prefix + rest
-            key = (combo[1], combo[2], combo[4], combo[7])
-            variants = variants_of.get(key)
-            if variants is None:
-                variants = variants_of[key] = _variants(space, combo)
-            combos.append((combo, variants))
-        kwargs, reason = _structural(model, gpus, gbs, combos[0][0], space.sequence_parallel)
-        if kwargs is None:  # the rules read only the first seven dimensions: all of inner fail alike
-            k = sum(len(v) for _, v in combos)
-            result.candidates += k
-            rejected[reason] += k
-            continue
-        checked_base: tuple = (None, None, None)  # (combo without dist_opt, plan, error key)
-        for combo, variants in combos:
-            result.candidates += len(variants)
-            same = combo[:-1]
-            if checked_base[0] == same:
-                # neither ParallelPlan's checks nor check_plan read the distributed optimizer (only an
-                # optimizer offload does, and a base has none): the twin passes or fails alike
-                _, twin, error = checked_base
-                base = None if twin is None else _copy(twin, distributed_optimizer=combo[8])
-            else:
-                kwargs, _ = _structural(model, gpus, gbs, combo, space.sequence_parallel)
-                kwargs["attention_backend"] = attention_backend
-                try:
-                    base, error = ParallelPlan(**kwargs), None
-                    check_plan(model, base)
-                except SpecError as exc:
-                    base, error = None, exc.key
-                checked_base = (same, base, error)
-            if base is None:
-                rejected[f"invalid {error}"] += len(variants)
-                continue
-            try:
-                base, peak, reason = memory.fit(combo, base)
-                if base is not None:
-                    timer = ExchangeVariants(model, base, cluster, cache)
-                    scored += [_score(model, cluster, base, peak, v, timer=timer, checked=checked) for v in variants]
-            except Infeasible as exc:  # a host-framework rule the structural checks do not know
-                base, reason = None, exc.reason
-            if base is None:
-                rejected[reason] += len(variants)
-    if progress:
-        progress(total, total)
+    job = _Scan(model=model, cluster=cluster, gpus=gpus, gbs=gbs, space=space, attention_backend=attention_backend,
+                limit=cluster.capacity_gib * GIB * (1.0 - memory_headroom))
+    if workers > 1:
+        from piper_core.scheduler.parallel import scan_forked
+
+        result = scan_forked(job, outer, workers, progress)
+    else:
+        result = job.scan(outer, progress)
     _retime(model, cluster, result)
     result.elapsed_s = time.perf_counter() - start
     return result
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Scan:
+    """What one scan of part of the grid needs (a forked worker inherits it)."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    gpus: int
+    gbs: int
+    space: SearchSpace
+    attention_backend: str
+    limit: float
+
+    @functools.cached_property
+    def inner(self) -> list[tuple]:
+        return list(itertools.product(self.space.recompute, self.space.distributed_optimizer))
+
+    def structural(self, prefix: tuple) -> bool:
+        """Whether the outer combination ``prefix`` passes the structural rules (the scan's first
+        filter; cheap, so a split of the grid can weigh its parts by it)."""
+        inner = self.inner
+        if not inner or (prefix[5] and prefix[0] == 1):
+            return False
+        kwargs, _ = _structural(self.model, self.gpus, self.gbs, prefix + inner[0], self.space.sequence_parallel)
+        return kwargs is not None
+
+    def scan(self, outer: list[tuple], progress=None) -> SearchResult:
+        """Candidates, rejections and scored plans of the combinations ``outer`` x inner, in order."""
+        result = self.scan_with(outer, self.new_state(), progress)
+        if progress:
+            progress(len(outer) * len(self.inner), len(outer) * len(self.inner))
+        return result
+
+    def new_state(self) -> tuple:
+        """The caches scans share: memory fits, step-time terms shared by the plans
+        (ExchangeVariants), the variants built once through ParallelPlan's checks (see _score), the
+        exchange variants per kind of combination."""
+        return _Memory(self.model, self.cluster, self.space, self.limit), {}, set(), {}
+
+    def scan_with(self, outer: list[tuple], state: tuple, progress=None) -> SearchResult:
+        """:meth:`scan` with the caches ``state`` (:meth:`new_state`), kept for later scans."""
+        total = len(outer) * len(self.inner)
+        model, cluster, gpus, gbs, space = self.model, self.cluster, self.gpus, self.gbs, self.space
+        inner = self.inner
+        result = SearchResult()
+        memory, cache, checked, variants_of = state
+        scored, rejected = result.scored, result.rejected
+        for n, prefix in enumerate(outer):
+            if progress and n % 64 == 0:
+                progress(n * len(inner), total)
+            tp, etp_is_tp = prefix[0], prefix[5]
+            if (etp_is_tp and tp == 1) or not inner:
+                continue  # the same plan as etp=1
+            combos = []
+            for rest in inner:
+                combo = prefix + rest
+                key = (combo[1], combo[2], combo[4], combo[7])
+                variants = variants_of.get(key)
+                if variants is None:
+                    variants = variants_of[key] = _variants(space, combo)
+                combos.append((combo, variants))
+            kwargs, reason = _structural(model, gpus, gbs, combos[0][0], space.sequence_parallel)
+            if kwargs is None:  # the rules read only the first seven dimensions: all of inner fail alike
+                k = sum(len(v) for _, v in combos)
+                result.candidates += k
+                rejected[reason] += k
+                continue
+            checked_base: tuple = (None, None, None)  # (combo without dist_opt, plan, error key)
+            for combo, variants in combos:
+                result.candidates += len(variants)
+                same = combo[:-1]
+                if checked_base[0] == same:
+                    # neither ParallelPlan's checks nor check_plan read the distributed optimizer (only an
+                    # optimizer offload does, and a base has none): the twin passes or fails alike
+                    _, twin, error = checked_base
+                    base = None if twin is None else _copy(twin, distributed_optimizer=combo[8])
+                else:
+                    kwargs, _ = _structural(model, gpus, gbs, combo, space.sequence_parallel)
+                    kwargs["attention_backend"] = self.attention_backend
+                    try:
+                        base, error = ParallelPlan(**kwargs), None
+                        check_plan(model, base)
+                    except SpecError as exc:
+                        base, error = None, exc.key
+                    checked_base = (same, base, error)
+                if base is None:
+                    rejected[f"invalid {error}"] += len(variants)
+                    continue
+                try:
+                    base, peak, reason = memory.fit(combo, base)
+                    if base is not None:
+                        timer = ExchangeVariants(model, base, cluster, cache)
+                        scored += [_score(model, cluster, base, peak, v, timer=timer, checked=checked) for v in variants]
+                except Infeasible as exc:  # a host-framework rule the structural checks do not know
+                    base, reason = None, exc.reason
+                if base is None:
+                    rejected[reason] += len(variants)
+        return result
 
 
 def _variants(space: SearchSpace, combo: tuple) -> tuple[A2AVariant, ...]:
@@ -261,7 +331,18 @@ def _copy(plan: ParallelPlan, **changes) -> ParallelPlan:
     values = list(_ALL_FIELDS(plan))
     for name, value in changes.items():
         values[_INDEX[name]] = value
-    new = object.__new__(type(plan))
+    return plan_from_values(values)
+
+
+def plan_values(plan: ParallelPlan) -> tuple:
+    """Every field of ``plan`` in :data:`_SLOTS` order (what :func:`plan_from_values` rebuilds)."""
+    return _ALL_FIELDS(plan)
+
+
+def plan_from_values(values) -> ParallelPlan:
+    """The plan whose fields are ``values`` (:func:`plan_values` of a plan that passed the checks),
+    without running them again."""
+    new = object.__new__(ParallelPlan)
     for slot, value in zip(_SLOT_SETTERS, values):
         slot(new, value)
     if _HASHED == _SLOTS:

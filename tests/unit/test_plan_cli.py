@@ -62,6 +62,7 @@ def test_memory_headroom_tightens(capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--memory-headroom", "1.5"], r"--memory-headroom=1.5: must be in \[0, 1\)"),
     (["--gpus", "0"], r"--gpus=0: must be a positive number"),
+    (["--workers", "0"], r"--workers=0: must be at least 1; use 1 to search in this process"),
 ])
 def test_bad_input(capsys, extra, message):
     import re

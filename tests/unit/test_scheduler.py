@@ -368,3 +368,62 @@ def test_deepseek_v3_on_1024_gpus_searches_within_the_bound():
     assert result.candidates > 600_000 and result.feasible > 10_000
     assert result.candidates == result.feasible + sum(result.rejected.values())
     assert result.elapsed_s <= SPEED_BOUND_S, f"{result.elapsed_s:.2f} s for {result.candidates:,} plans"
+
+
+# --- the search in forked processes (piper plan --workers) ----------------------------------------------
+
+@pytest.mark.parametrize("workers, space", [
+    (2, DS_SPACE),  # grouped by ep (4 values >= 2 x 2 workers)
+    (3, dataclasses.replace(DS_SPACE, ep=(1, 8))),  # too few ep values: grouped by the widest other dimension
+])
+def test_forked_search_equals_the_serial_search(workers, space):
+    cluster = load_cluster("dgx-h100")
+    serial = search(DEEPSEEK_7, cluster, 64, 256, space=space)
+    forked = search(DEEPSEEK_7, cluster, 64, 256, space=space, workers=workers)
+    assert len(serial.scored) > 100 and len(serial.rejected) >= 3
+    assert forked.candidates == serial.candidates
+    assert list(forked.rejected.items()) == list(serial.rejected.items())  # counts and first-seen order
+    assert _rows(forked.scored) == _rows(serial.scored)  # every plan, time and peak, in the grid's order
+    assert [hash(s.plan) for s in forked.scored] == [hash(s.plan) for s in serial.scored]
+    assert [s.plan for s in forked.best(5)] == [s.plan for s in serial.best(5)]
+
+
+def _in_child(paused: list[bool]) -> bool:
+    """In a forked worker; in this process, after one pause that leaves the worker groups to take."""
+    import multiprocessing
+    import time
+
+    if multiprocessing.current_process().name != "MainProcess":
+        return True
+    if not paused:
+        paused.append(True)
+        time.sleep(0.3)
+    return False
+
+
+def test_a_forked_worker_that_fails_or_dies_is_reported_not_waited_for(monkeypatch):
+    import os
+
+    from piper_core.scheduler.search import _Scan
+
+    scan_with, paused = _Scan.scan_with, []
+
+    def failing(self, outer, state, progress=None):
+        if _in_child(paused):
+            raise SpecError("ep", outer[0][4], "refused in the worker (test)", "none")
+        return scan_with(self, outer, state, progress)
+
+    monkeypatch.setattr(_Scan, "scan_with", failing)
+    cluster = load_cluster("dgx-h100")
+    with pytest.raises(SpecError, match="refused in the worker"):
+        search(DEEPSEEK_7, cluster, 64, 256, space=DS_SPACE, workers=2)
+
+    def dying(self, outer, state, progress=None):
+        if _in_child(paused):
+            os._exit(3)
+        return scan_with(self, outer, state, progress)
+
+    monkeypatch.setattr(_Scan, "scan_with", dying)
+    paused.clear()
+    with pytest.raises(RuntimeError, match=r"search worker 2 of 2 \(pid \d+\) died \(exit code 3\).*--workers 1"):
+        search(DEEPSEEK_7, cluster, 64, 256, space=DS_SPACE, workers=2)
