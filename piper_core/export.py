@@ -153,7 +153,8 @@ def parallel_flags(model: ModelSpec, plan: ParallelPlan) -> list[Flag]:
 
 def piper_flags(plan: ParallelPlan) -> list[Flag]:
     """Flags that only ``python -m piper_megatron`` understands (stock pretrain_gpt.py rejects them)."""
-    return [("--piper-a2a", plan.a2a), ("--piper-chunks", plan.a2a_chunks)]
+    return [("--piper-a2a", plan.a2a), ("--piper-chunks", plan.a2a_chunks)] + (
+        [("--piper-defer-wgrad", None)] if plan.defer_wgrad else [])
 
 
 def environment(plan: ParallelPlan) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -258,7 +259,7 @@ def deepspeed_config(p: Prediction) -> dict[str, Any]:
     return config | {
         "piper": {
             "enabled": True, "cluster": p.cluster.name, "profile": None, "a2a": plan.a2a, "chunks": plan.a2a_chunks,
-            "memory_headroom": 0.0, "plan_only": False, "trace": None,
+            "defer_wgrad": plan.defer_wgrad, "memory_headroom": 0.0, "plan_only": False, "trace": None,
             "plan": {"tp": plan.tp, "pp": plan.pp, "ep": plan.ep, "etp": plan.etp_size, "cp": plan.cp,
                      "vpp": plan.virtual_stages, "mbs": plan.micro_batch_size, "recompute": plan.recompute},
             "predicted": {"mfu": p.rate.mfu, "step_s": p.time.step,

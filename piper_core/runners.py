@@ -5,9 +5,9 @@ put the best plan of each runtime side by side and say why the faster one is out
 Stock runs each exchange flat in one piece (Megatron-Core's ``MoEAlltoAllTokenDispatcher``,
 DeepSpeed's ``_AllToAll``); a hierarchical or a pipelined (chunked) exchange is Piper's. Megatron's
 own EP overlap (``--overlap-moe-expert-parallel-comm``) runs only on its stock dispatcher. Deferred
-expert weight gradients (``defer_wgrad``) are Piper's runtime's (``moe_alltoall(defer_wgrad=True)``);
-no adapter runs them yet, so no runtime here accepts such a plan (the model prices it for
-``piper predict``).
+expert weight gradients (``defer_wgrad``) are Piper's runtime's (``moe_alltoall(defer_wgrad=True)``),
+asked for by both adapters (``--piper-defer-wgrad``, ``"defer_wgrad": true``); neither stock path has
+them (Megatron's own delay comes only with its EP overlap, ``ep_comm_overlap``).
 """
 
 from __future__ import annotations
@@ -40,10 +40,6 @@ def megatron_stock(plan: ParallelPlan) -> str | None:
 
 
 def megatron_piper(plan: ParallelPlan) -> str | None:
-    why = _deferred_wgrad(plan, "Megatron-Core's expert linears are custom autograd Functions that compute the weight "
-                                "gradient with the input gradient, which Piper's runtime cannot split")
-    if why:
-        return why
     if plan.ep_comm_overlap:
         return ("ep_comm_overlap: Megatron's --overlap-moe-expert-parallel-comm runs on its own dispatcher, which "
                 "--piper replaces")
@@ -60,9 +56,6 @@ def deepspeed_stock(plan: ParallelPlan) -> str | None:
 
 
 def deepspeed_piper(plan: ParallelPlan) -> str | None:
-    why = _deferred_wgrad(plan, "Piper's runtime runs it, but its DeepSpeed layer does not ask for it yet")
-    if why:
-        return why
     if plan.shared_expert_overlap or plan.ep_comm_overlap:
         return "Piper's DeepSpeed-MoE layer has no shared expert and no Megatron EP overlap"
     return deepspeed_compatible(plan)

@@ -21,6 +21,9 @@ Keys (the block ``piper plan --export-deepspeed`` writes loads unchanged; ``pipe
                                     # (1: unpipelined; >= 2: chunk k+1's exchange overlaps chunk k's
                                     # experts) | auto (the scheduler picks) | tune (each MoE layer
                                     # measures 1/2/4/8 chunks, 3 steps each, then keeps the fastest)
+      "defer_wgrad": false,         # true: each MoE layer computes its experts' weight gradients after
+                                    # posting the dispatch's gradient, while it is in flight (Piper's
+                                    # runtime; bit-identical gradients; plans with ep > 1; priced)
       "memory_headroom": 0.0,       # fraction of usable GPU memory the plan keeps free, in [0, 1);
                                     # a pinned plan over the limit is refused too
       "plan_only": false,           # true: rank 0 prints the plan, then PlanOnly (SystemExit 0)
@@ -80,6 +83,7 @@ class PiperConfig(DeepSpeedConfigModel):
     profile: str | None = None
     a2a: A2AChoice = "auto"
     chunks: Annotated[int, Field(ge=1)] | Literal["auto", "tune"] = "auto"
+    defer_wgrad: bool = False
     memory_headroom: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     plan_only: bool = False
     trace: str | None = None

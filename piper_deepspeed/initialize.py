@@ -155,7 +155,7 @@ def deepspeed_space(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, 
     return SearchSpace(tp=(1,), pp=pp, vpp=(1,), cp=(1,), ep=ep, etp_equals_tp=(False,), mbs=base.mbs,
                        recompute=("none",), distributed_optimizer=(True,) if min_stage >= 1 else (True, False),
                        a2a=block.a2a_choices() if model.is_moe else (UNPIPELINED,),
-                       memory_savers=((False, 0.0),))
+                       memory_savers=((False, 0.0),), defer_wgrad=block.defer_wgrad and model.is_moe)
 
 
 def plan_for(config: Mapping[str, Any] | str, world_size: int, *, pipeline: bool = False,
@@ -234,7 +234,8 @@ def _pinned(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, world_si
     try:
         base = ParallelPlan(gpus=world_size, tp=pin.tp, pp=pin.pp, vpp=pin.vpp if pin.vpp > 1 else None, cp=pin.cp,
                             ep=pin.ep, etp=pin.etp, micro_batch_size=pin.mbs, global_batch_size=gbs,
-                            distributed_optimizer=min_stage >= 1)
+                            distributed_optimizer=min_stage >= 1,
+                            defer_wgrad=block.defer_wgrad and model.is_moe and pin.ep > 1)
     except SpecError as exc:
         raise SpecError(exc.key, exc.value, exc.rule, exc.fix, where=f"piper.plan on {world_size} ranks") from None
     reason = deepspeed_compatible(base)
@@ -297,6 +298,8 @@ def rewrite_config(config: Mapping[str, Any], choice: PlanChoice) -> tuple[dict[
         "plan": {"tp": plan.tp, "pp": plan.pp, "ep": plan.ep, "etp": plan.etp_size, "cp": plan.cp,
                  "vpp": plan.virtual_stages, "mbs": plan.micro_batch_size, "recompute": plan.recompute},
         "predicted": {"mfu": p.rate.mfu, "step_s": p.time.step, "peak_memory_gib": round(p.peak_stage.total / GIB, 4)}}
+    if new[BLOCK].get("defer_wgrad"):  # a plan with ep = 1 has no exchange to defer them behind: say so
+        put(new[BLOCK], "defer_wgrad", "piper.defer_wgrad (needs ep > 1)", plan.defer_wgrad)
     return new, changes
 
 
@@ -331,8 +334,10 @@ def report(choice: PlanChoice, changes: list[Change], config: Mapping[str, Any],
         how = {"flat": "flat", "hierarchical": "hierarchical (intra-node stage, then inter-node)"}[plan.a2a]
         if tuned or plan.a2a_chunks > 1:
             how = f"pipelined: {plan.a2a} exchanges in {chunks} overlapping the experts"
+        deferred = ("; each computes its experts' weight gradients while the dispatch's gradient is in flight "
+                    "(defer_wgrad)") if plan.defer_wgrad else ""
         lines.append(f"piper: {p.model.num_moe_layers} MoE layers with ep_size {plan.ep} run Piper's all-to-all, "
-                     f"{how}")
+                     f"{how}{deferred}")
     else:
         lines.append("piper: ep=1: no expert-parallel all-to-all; MoE layers stay DeepSpeed's")
     lines += [f"piper: note: {note}" for note in choice.notes]
@@ -401,8 +406,8 @@ def initialize(args: Any = None, model: torch.nn.Module = None, optimizer: Any =
     plan = choice.plan
     if plan.ep > 1:
         tracer = Tracer(Path(block.trace) / f"a2a-rank{rank}.jsonl") if block.trace else None
-        swap_moe_layers(model, A2ASettings.from_plan(plan.a2a, plan.a2a_chunks, tune=block.chunks == "tune"),
-                        tracer=tracer)
+        swap_moe_layers(model, A2ASettings.from_plan(plan.a2a, plan.a2a_chunks, tune=block.chunks == "tune",
+                                                     defer_wgrad=plan.defer_wgrad), tracer=tracer)
     # DeepSpeed gets the config without the block (the guard around deepspeed.initialize refuses an
     # active one; DeepSpeed ignores it anyway), then engine.config shows the block that ran. The dict
     # is our copy, the very one the engine (and its DeepSpeedConfig) keeps.

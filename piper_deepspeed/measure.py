@@ -66,7 +66,7 @@ def ds_config(job: TrainJob) -> dict[str, Any]:
     if job.stock:  # no block: piper_deepspeed.initialize hands DeepSpeed the very same objects
         return config
     return config | {"piper": {"cluster": "cpu-local", "model": to_dict(job.model), "a2a": plan.a2a,
-                               "chunks": "tune" if job.tune else plan.a2a_chunks,
+                               "chunks": "tune" if job.tune else plan.a2a_chunks, "defer_wgrad": plan.defer_wgrad,
                                "plan": {"ep": plan.ep, "mbs": plan.micro_batch_size}}}
 
 

@@ -67,18 +67,20 @@ class A2ASettings:
     (1: the unpipelined path), with either algorithm (a hierarchical exchange in chunks runs its
     stages per chunk, advanced between the experts' chunks by :func:`moe_alltoall`). ``tune``: each
     layer measures its chunk count at run time (an :class:`AutoChunks` over :data:`ADAPTER_CANDIDATES`,
-    made by :func:`attach_comm`); ``chunks`` is what the plan assumed."""
+    made by :func:`attach_comm`); ``chunks`` is what the plan assumed. ``defer_wgrad``: the experts'
+    weight gradients after each dispatch gradient is posted (``moe_alltoall(defer_wgrad=True)``)."""
 
     algorithm: Algorithm
     chunks: int
     tune: bool = False
+    defer_wgrad: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, int) or isinstance(self.chunks, bool) or self.chunks < 1:
             raise SpecError("chunks", self.chunks, "must be an int >= 1", "use 1 for the unpipelined all-to-all")
 
     @classmethod
-    def from_plan(cls, a2a: str, chunks: int, *, tune: bool = False) -> A2ASettings:
+    def from_plan(cls, a2a: str, chunks: int, *, tune: bool = False, defer_wgrad: bool = False) -> A2ASettings:
         """``ParallelPlan.a2a`` (flat|hierarchical) and ``a2a_chunks`` -> settings, as timing/layer.py
         times them. The old ``"pipelined"`` is read by :func:`read_a2a` (flat in ``chunks``, with a
         FutureWarning)."""
@@ -86,13 +88,14 @@ class A2ASettings:
         if a2a not in PLAN_ALGORITHMS:
             raise SpecError("a2a", a2a, f"a plan's exchange algorithm is one of {', '.join(PLAN_ALGORITHMS)}",
                             'use "flat" or "hierarchical", and "chunks" for pipelining')
-        return cls(algorithm=Algorithm(a2a), chunks=chunks, tune=tune)
+        return cls(algorithm=Algorithm(a2a), chunks=chunks, tune=tune, defer_wgrad=defer_wgrad)
 
     def label(self) -> str:
+        deferred = ", expert weight gradients deferred" if self.defer_wgrad else ""
         if self.tune:
             return (f"{self.algorithm.value}, chunk count measured per layer at run time "
-                    f"({ADAPTER_TUNING})")
-        return self.algorithm.value + (f" in {self.chunks} pipelined chunks" if self.chunks > 1 else "")
+                    f"({ADAPTER_TUNING}){deferred}")
+        return self.algorithm.value + (f" in {self.chunks} pipelined chunks" if self.chunks > 1 else "") + deferred
 
 
 class Tracer:
@@ -197,7 +200,7 @@ class PiperMOELayer(MOELayer):
         rows = tokens.index_select(0, routes.token_of_row)
         params = [p for p in self.experts.deepspeed_experts.parameters() if p.requires_grad]
         run = lambda t, n, probs: self._run_experts(t, n)  # noqa: E731
-        y = moe_alltoall(rows, meta, run, params=params, on_event=on_event)
+        y = moe_alltoall(rows, meta, run, params=params, on_event=on_event, defer_wgrad=self.piper_a2a.defer_wgrad)
         out = _decode(y, routes, gates, tokens.shape[0])
         if self.wall_clock_breakdown:
             self.time_moe = 1000.0 * (time.perf_counter() - start)  # ms, as DeepSpeed's timers report

@@ -47,7 +47,8 @@ class PiperOptions:
     count at run time, with either algorithm; ``min_chunks`` 2 only for the old ``--piper-a2a
     pipelined`` (flat, pipelined), whose reading ``notes`` holds; ``world_size``
     (``--piper-world-size``) stands in for the launcher's WORLD_SIZE in plan-only runs; ``off``
-    (``--piper-off``): Megatron switches the plan must leave off (:data:`piper_megatron.pins.OFF_NAMES`)."""
+    (``--piper-off``): Megatron switches the plan must leave off (:data:`piper_megatron.pins.OFF_NAMES`);
+    ``defer_wgrad`` (``--piper-defer-wgrad``): plans with ep > 1 defer the experts' weight gradients."""
 
     enabled: bool
     cluster: str | None = None
@@ -61,6 +62,7 @@ class PiperOptions:
     trace: Path | None = None
     world_size: int | None = None
     off: tuple[str, ...] = ()
+    defer_wgrad: bool = False
 
 
 def _chunks(text: str) -> int | str | None:
@@ -101,6 +103,9 @@ def add_piper_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="pipeline chunks of the all-to-all, with either algorithm (chunk k+1's exchange overlaps "
                             "chunk k's experts): N (1: unpipelined), auto (the scheduler picks; default) or tune "
                             "(each MoE layer measures 1/2/4/8 chunks for 3 steps each, then keeps the fastest)")
+    group.add_argument("--piper-defer-wgrad", action="store_true",
+                       help="compute the experts' weight gradients after posting each dispatch gradient, while it "
+                            "is in flight (plans with ep > 1; bit-identical gradients; priced by the scheduler)")
     group.add_argument("--piper-plan-only", action="store_true", help="print the plan and exit")
     group.add_argument("--piper-trace", type=Path, metavar="FILE",
                        help="write per-layer, per-rank dispatch/expert/combine times as JSON lines")
@@ -139,11 +144,13 @@ def piper_options(ns: argparse.Namespace) -> PiperOptions:
                            profile=getattr(ns, "piper_profile", None), a2a=a2a, chunks=chunks, tune=tune,
                            min_chunks=min_chunks, notes=notes, plan_only=bool(getattr(ns, "piper_plan_only", False)),
                            trace=getattr(ns, "piper_trace", None), world_size=getattr(ns, "piper_world_size", None),
-                           off=off_names(getattr(ns, "piper_off", None)))
+                           off=off_names(getattr(ns, "piper_off", None)),
+                           defer_wgrad=bool(getattr(ns, "piper_defer_wgrad", False)))
     given = [flag for flag, on in (("--piper-cluster", options.cluster), ("--piper-profile", options.profile),
                                    ("--piper-a2a", given_a2a != "auto"), ("--piper-chunks", given_chunks),
                                    ("--piper-plan-only", options.plan_only), ("--piper-trace", options.trace),
                                    ("--piper-world-size", options.world_size),
+                                   ("--piper-defer-wgrad", options.defer_wgrad),
                                    ("--piper-off", getattr(ns, "piper_off", None))) if on]
     if given and not options.enabled:
         raise SpecError(given[0], "given", "Piper's flags act only together with --piper (without it nothing of "

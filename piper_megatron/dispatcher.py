@@ -46,16 +46,30 @@ nodes. Pipelined, fc1 runs before the fused call and fc2 after it, beside no exc
 expert's graph would not be recorded (grad mode is off there); the chunks there already overlap the
 exchanges with the routed experts.
 
-Pipelined needs Megatron's own a2a-overlap and delayed-wgrad features off (checked when a layer is
-built: SpecError).
+Deferred expert weight gradients (``defer_wgrad``, ``--piper-defer-wgrad``) run the fused path too,
+one chunk included: ``moe_alltoall(defer_wgrad=True)`` splits each chunk's expert backward into
+input and weight gradients (``piper_core/runtime/wgrad.py``). Megatron-Core's expert linears
+(``ColumnParallelLinear``/``RowParallelLinear``) compute both in one autograd Function
+(``LinearWithGradAccumulationAndAsyncCommunication``), which cannot be split, so for the experts'
+forward of such a call each expert linear's ``_forward_impl`` is, on that instance, what that
+Function's forward computes (``matmul(input, weight.t())`` plus the bias) in torch operations, whose
+backward autograd can split. Only where the Function would do nothing else: an expert linear that
+would fuse gradient accumulation, all-reduce its input gradient, gather a sequence-parallel input
+or buffer its output gradient is refused (SpecError naming it). Transformer Engine's expert layers
+(no ``_forward_impl``) reach ``split_backward``, which refuses them by name.
+
+The fused path needs Megatron's own a2a-overlap and delayed-wgrad features off (checked when a layer
+is built: SpecError).
 State between phases (the frozen ``DispatchMeta``) lives on the dispatcher, as Megatron's own
 split sizes do: Megatron calls the phases as methods with no other place to keep it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -106,13 +120,14 @@ class DispatchSettings:
     algorithm: Algorithm = Algorithm.FLAT
     chunks: int = 1
     tune: bool = False
+    defer_wgrad: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, int) or self.chunks < 1:
             raise SpecError("chunks", self.chunks, "must be an int >= 1", "use 1 for the unpipelined exchange")
 
     @classmethod
-    def from_plan(cls, a2a: str, chunks: int, *, tune: bool = False) -> DispatchSettings:
+    def from_plan(cls, a2a: str, chunks: int, *, tune: bool = False, defer_wgrad: bool = False) -> DispatchSettings:
         """A ParallelPlan's ``a2a`` (flat|hierarchical: the exchange of every chunk) and
         ``a2a_chunks`` (> 1: pipelined), as the step-time model prices them (piper_core/timing/
         layer.py); ``tune`` measures the chunk count of either algorithm at run time. A setting
@@ -124,19 +139,25 @@ class DispatchSettings:
         if a2a not in cls.PLAN_ALGORITHMS:
             raise SpecError("a2a", a2a, f"a plan's exchange algorithm is one of {', '.join(cls.PLAN_ALGORITHMS)}",
                             "use flat or hierarchical, and the chunk count for pipelining")
-        return cls(algorithm=Algorithm(a2a), chunks=chunks, tune=tune)
+        return cls(algorithm=Algorithm(a2a), chunks=chunks, tune=tune, defer_wgrad=defer_wgrad)
 
     @property
     def pipelined(self) -> bool:
-        """True where dispatch, experts and combine run fused in ``moe_alltoall``."""
-        return self.tune or self.chunks > 1
+        """True where dispatch, experts and combine run fused in ``moe_alltoall`` (pipelined, tuned,
+        or with the experts' weight gradients deferred, which needs the fused call)."""
+        return self.tune or self.chunks > 1 or self.defer_wgrad
 
     def describe(self) -> str:
+        deferred = "; expert weight gradients computed while each dispatch gradient is in flight" \
+            if self.defer_wgrad else ""
+        return self._describe() + deferred
+
+    def _describe(self) -> str:
         if self.tune:
             return (f"Piper pipelined all-to-all: chunk count measured per MoE layer at run time "
                     f"({'/'.join(map(str, ADAPTER_CANDIDATES))} chunks of {self.algorithm.value} exchanges, "
                     f"{ADAPTER_TRIALS} steps each, then the fastest; the plan assumed {self.chunks})")
-        if self.pipelined:
+        if self.chunks > 1:
             return (f"Piper pipelined all-to-all: {self.chunks} chunks of {self.algorithm.value} exchanges, chunk "
                     "k+1's exchange overlapping chunk k's experts")
         return f"Piper {self.algorithm.value} all-to-all"
@@ -356,10 +377,12 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
         first, last = self.local_expert_indices[0], self.local_expert_indices[-1]
         layer = "" if self.layer_number is None else f"layer {self.layer_number}, "
         chunks = "a tuned chunk count" if settings.tune else f"{settings.chunks} chunks"
-        warnings.warn(f"PiperTokenDispatcher ({layer}experts {first}-{last}): the pipelined all-to-all "
-                      f"({chunks}) needs MoELayer's forward, but token_dispatch was called with no fused call "
-                      f"open (a caller driving the phases one by one); such steps run unpipelined, one chunk "
-                      f"of {settings.algorithm.value} exchanges (said once per dispatcher)",
+        deferred = ", weight gradients deferred" if settings.defer_wgrad else ""
+        dropped = " and the weight gradients not deferred" if settings.defer_wgrad else ""
+        warnings.warn(f"PiperTokenDispatcher ({layer}experts {first}-{last}): the fused all-to-all "
+                      f"({chunks}{deferred}) needs MoELayer's forward, but token_dispatch was called with no fused "
+                      f"call open (a caller driving the phases one by one); such steps run unpipelined, one chunk "
+                      f"of {settings.algorithm.value} exchanges{dropped} (said once per dispatcher)",
                       PhaseDrivenWarning, stacklevel=3)
 
     # ---- experts -------------------------------------------------------------------------------
@@ -375,8 +398,11 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 record.mark("expert")
             return original(layer, hidden_states, probs)
 
+        defer = self.binding.settings.defer_wgrad
+
         def experts(tokens: torch.Tensor, tokens_per_expert: tuple[int, ...], chunk_probs: torch.Tensor | None):
-            out, bias = layer.experts(tokens, torch.tensor(tokens_per_expert, dtype=torch.long), chunk_probs)
+            with splittable_linears(layer.experts) if defer else contextlib.nullcontext():
+                out, bias = layer.experts(tokens, torch.tensor(tokens_per_expert, dtype=torch.long), chunk_probs)
             if bias is not None:
                 raise SpecError("experts bias", "returned", "the fused path combines expert outputs only",
                                 "build experts without a separate output bias (add_bias_linear false)")
@@ -393,7 +419,7 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
         # each per backward, so DDP's per-parameter grad-ready hooks fire once whatever the chunk count
         params = [p for p in layer.experts.parameters() if p.requires_grad]
         return moe_alltoall(hidden_states, meta, experts if self.tp_size == 1 else sharded, probs=probs,
-                            params=params, on_event=on_event), None
+                            params=params, on_event=on_event, defer_wgrad=defer), None
 
     def _etp_sizes(self, meta: DispatchMeta, k: int) -> torch.Tensor:
         """``[etp, local experts]``: tokens each expert-TP rank's chunk ``k`` brings each local
@@ -544,6 +570,39 @@ def _set_layer_number(original: Callable[..., Any]) -> Callable[..., Any]:
 
     set_layer_number.__wrapped__ = original  # type: ignore[attr-defined]
     return set_layer_number
+
+
+@contextlib.contextmanager
+def splittable_linears(experts: torch.nn.Module) -> Iterator[None]:
+    """For the experts' forward inside it: each Megatron expert linear computes its output with torch
+    operations instead of ``LinearWithGradAccumulationAndAsyncCommunication`` (see the module doc),
+    so that ``split_backward`` can defer its weight gradient."""
+    linears = [(name, m) for name, m in experts.named_modules() if hasattr(type(m), "_forward_impl")]
+    for name, m in linears:
+        m._forward_impl = functools.partial(_torch_linear, name)
+    try:
+        yield
+    finally:
+        for _, m in linears:
+            m.__dict__.pop("_forward_impl", None)
+
+
+def _torch_linear(name: str, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  gradient_accumulation_fusion: bool = False, allreduce_dgrad: bool = False,
+                  sequence_parallel: bool = False, grad_output_buffer: Any = None, **_: Any) -> torch.Tensor:
+    """What ``LinearWithGradAccumulationAndAsyncCommunication.forward`` computes for an expert linear
+    that communicates nothing and accumulates nothing itself, as torch operations."""
+    for on, what, fix in ((gradient_accumulation_fusion, "gradient accumulation fusion (into main_grad)",
+                           "--no-gradient-accumulation-fusion"),
+                          (allreduce_dgrad, "an all-reduce of its input gradient", "expert linears without it"),
+                          (sequence_parallel, "a sequence-parallel gather of its input", "expert linears without it"),
+                          (grad_output_buffer is not None, "a buffered output gradient", "expert linears without it")):
+        if on:
+            raise SpecError("defer_wgrad", True, f"expert linear {name!r} runs {what} inside the autograd Function "
+                            "that also computes its weight gradient, which cannot be deferred",
+                            f"use {fix}, or drop --piper-defer-wgrad")
+    out = torch.matmul(input, weight.t())
+    return out + bias if bias is not None else out
 
 
 def install_dispatcher(comm: A2AComm, settings: DispatchSettings, *, tracer: Tracer | None = None) -> Patches:

@@ -181,6 +181,8 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
                         "data parallel size, would change with the plan)", "add --global-batch-size N")
     resume = resume_from(ns, model, world_size, pins)
     space = restrict(widen(default_space(model, cluster, world_size), resume), pins)
+    if options.defer_wgrad:  # every ep > 1 plan defers (search.py); ep = 1 plans have nothing to defer behind
+        space = dataclasses.replace(space, defer_wgrad=True)
     if precision_note:
         space = _fp32_space(space)
     if limit is not None:
@@ -285,6 +287,8 @@ def dispatcher_description(planned: Planned) -> str | None:
     else:
         a2a = f"Piper {plan.a2a} all-to-all{f' ({stages})' if stages else ''}"
     a2a += f" over expert-parallel groups of {plan.ep}" if plan.ep > 1 else " (ep=1: local permutation only)"
+    a2a += "; the experts' weight gradients computed while each dispatch gradient is in flight" \
+        if plan.defer_wgrad else ""
     return a2a + ("; the shared expert overlaps the exchange" if plan.shared_expert_overlap else "")
 
 
@@ -299,6 +303,7 @@ class DispatchRequest:
     chunks: int
     ranks_per_node: int
     tune: bool = False
+    defer_wgrad: bool = False
     timeout_minutes: float
     trace: Any = None
 
@@ -381,7 +386,7 @@ class Installation:
                   flush=True)
         if self.planned.model.is_moe:
             self.hook_model_parallel(DispatchRequest(
-                a2a=plan.a2a, chunks=plan.a2a_chunks, tune=options.tune,
+                a2a=plan.a2a, chunks=plan.a2a_chunks, tune=options.tune, defer_wgrad=plan.defer_wgrad,
                 ranks_per_node=_ranks_per_node() or self.planned.cluster.gpus_per_node,
                 timeout_minutes=getattr(args, "distributed_timeout_minutes", 10), trace=options.trace))
 
@@ -426,7 +431,8 @@ class Installation:
         if request.trace is not None and self._tracer is None:
             self._tracer = Tracer.for_rank(request.trace, rank=dist.get_rank(), world_size=world)
             atexit.register(self._tracer.close)
-        settings = DispatchSettings.from_plan(request.a2a, request.chunks, tune=request.tune)
+        settings = DispatchSettings.from_plan(request.a2a, request.chunks, tune=request.tune,
+                                              defer_wgrad=request.defer_wgrad)
         self._dispatcher = install_dispatcher(comm, settings, tracer=self._tracer)
 
 

@@ -103,7 +103,8 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path) -> dict[str,
         if model.is_moe and not job.stock:
             comm = create_ep_comm(NodeTopology.uniform(world_size=world, ranks_per_node=ranks_per_node))
             tracer = Tracer(trace_dir / f"trace.rank{rank}.jsonl", rank=rank)
-            patches = install_dispatcher(comm, DispatchSettings.from_plan(plan.a2a, plan.a2a_chunks, tune=job.tune),
+            patches = install_dispatcher(comm, DispatchSettings.from_plan(plan.a2a, plan.a2a_chunks, tune=job.tune,
+                                                                         defer_wgrad=plan.defer_wgrad),
                                          tracer=tracer)
         tensor_parallel.model_parallel_cuda_manual_seed(job.seed)
         torch.manual_seed(job.seed)

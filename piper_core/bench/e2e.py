@@ -133,16 +133,18 @@ def base_plan(case: Case) -> ParallelPlan:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Variant:
-    """``stock``, or Piper's ``algorithm`` in ``chunks`` (``tune``: counted at run time)."""
+    """``stock``, or Piper's ``algorithm`` in ``chunks`` (``tune``: counted at run time; ``defer``:
+    the experts' weight gradients deferred, ``+dwg``)."""
 
     name: str
     stock: bool = False
     algorithm: str = "flat"
     chunks: int = 1
     tune: bool = False
+    defer: bool = False
 
     def plan(self, base: ParallelPlan) -> ParallelPlan:
-        return dataclasses.replace(base, a2a=self.algorithm, a2a_chunks=self.chunks)
+        return dataclasses.replace(base, a2a=self.algorithm, a2a_chunks=self.chunks, defer_wgrad=self.defer)
 
 
 def variants(chunks: int) -> tuple[Variant, ...]:
@@ -158,16 +160,20 @@ def variants(chunks: int) -> tuple[Variant, ...]:
 
 
 def parse_variant(name: str) -> Variant:
-    """The variant named ``name``: ``stock``, ``ALGORITHM/CHUNKS`` or ``ALGORITHM/tune`` (``--variants``)."""
+    """The variant named ``name``: ``stock``, ``ALGORITHM/CHUNKS`` or ``ALGORITHM/tune``, the last two
+    optionally with ``+dwg`` (the experts' weight gradients deferred) (``--variants``)."""
     if name == "stock":
         return Variant(name=name, stock=True)
-    algorithm, _, chunks = name.partition("/")
-    if algorithm not in ("flat", "hierarchical") or not (chunks == "tune" or chunks.isdigit() and int(chunks) >= 1):
+    exchange, plus, suffix = name.partition("+")
+    algorithm, _, chunks = exchange.partition("/")
+    if algorithm not in ("flat", "hierarchical") or not (chunks == "tune" or chunks.isdigit() and int(chunks) >= 1) \
+            or (plus and suffix != "dwg"):
         raise ValueError(f"--variants: {name!r} is not a variant; name stock, ALGORITHM/CHUNKS or ALGORITHM/tune "
-                         f"with ALGORITHM flat or hierarchical (e.g. stock,flat/1,flat/4)")
+                         f"with ALGORITHM flat or hierarchical, each optionally +dwg (e.g. stock,flat/1,flat/1+dwg)")
+    defer = bool(plus)
     if chunks == "tune":
-        return Variant(name=name, algorithm=algorithm, chunks=max(CHUNK_CHOICES), tune=True)
-    return Variant(name=name, algorithm=algorithm, chunks=int(chunks))
+        return Variant(name=name, algorithm=algorithm, chunks=max(CHUNK_CHOICES), tune=True, defer=defer)
+    return Variant(name=name, algorithm=algorithm, chunks=int(chunks), defer=defer)
 
 
 def warmup_steps(variant: Variant, micro_batches: int = 2) -> int:
@@ -194,6 +200,10 @@ def declare(case: Case, cluster: Any) -> dict[str, Any]:
                 base, a2a=algorithm, a2a_chunks=chunks), cluster).step
     stock = step_time(model, base, cluster)  # the stock dispatcher's exchange is priced as flat/1
     order = sorted(predicted, key=lambda k: (round(predicted[k], 9), int(k.split("/")[1]), k.split("/")[0] != "flat"))
+    for key in list(predicted):  # +dwg (--variants): priced beside, never judged
+        algorithm, chunks = key.split("/")
+        predicted[f"{key}+dwg"] = step_time(model, dataclasses.replace(
+            base, a2a=algorithm, a2a_chunks=int(chunks), defer_wgrad=True), cluster).step
     piped = [k for k in order if k.split("/")[1] != "1"]
     return {"case": case.name, "workload": case.workload, "model": model.name, "plan": {"gpus": base.gpus, "ep": base.ep, "mbs": base.micro_batch_size,
                                         "gbs": base.global_batch_size, "attention": base.attention_backend},
@@ -260,8 +270,9 @@ def predicted_step(prediction: dict[str, Any], chunks: int, name: str) -> float 
     ``X/chunks``, the declared chunk count)."""
     if name == "stock":
         return prediction["predicted_stock_s"]
-    key = name if not name.endswith("/tune") else f"{name.split('/')[0]}/{chunks}"
-    return prediction["predicted_s"].get(key)
+    exchange, plus, suffix = name.partition("+")
+    key = exchange if not exchange.endswith("/tune") else f"{exchange.split('/')[0]}/{chunks}"
+    return prediction["predicted_s"].get(key + plus + suffix)
 
 
 def model_error(predicted: float | None, measured: float | None) -> float | None:

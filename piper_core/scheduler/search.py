@@ -242,6 +242,7 @@ class _Scan:
                 else:
                     kwargs, _ = _structural(model, gpus, gbs, combo, space.sequence_parallel)
                     kwargs["attention_backend"] = self.attention_backend
+                    kwargs["defer_wgrad"] = space.defer_wgrad and combo[4] > 1
                     try:
                         base, error = ParallelPlan(**kwargs), None
                         check_plan(model, base)

@@ -29,6 +29,9 @@ class SearchSpace:
     (algorithm x pipeline chunks, and Megatron's EP overlap where its rules allow it); a model with a
     shared expert overlaps it with the exchange wherever Megatron allows (it only hides time). ``sequence_parallel``: whether plans with tp > 1 use sequence
     parallelism (Megatron-Core needs it for MoE with tp > 1, so False leaves MoE models at tp = 1).
+    ``defer_wgrad``: every plan with ep > 1 defers its experts' weight gradients (a runtime that asks
+    for it, e.g. a DeepSpeed ``piper`` block with ``"defer_wgrad": true``; never varied by the search,
+    as it only hides time where a runtime runs it).
     """
 
     tp: tuple[int, ...]
@@ -43,6 +46,7 @@ class SearchSpace:
     a2a: tuple[A2AVariant, ...] = A2A_CHOICES
     memory_savers: tuple[tuple[bool, float], ...] = ((False, 0.0), (True, 0.0), (True, 1.0))
     sequence_parallel: bool = True
+    defer_wgrad: bool = False
 
     @property
     def size(self) -> int:

@@ -129,6 +129,9 @@ class ParallelPlan:
                             "set precision=bf16 or grad_reduce_in_bf16=false")
         if self.ep_comm_overlap:
             self._check_ep_comm_overlap()
+        if self.defer_wgrad and self.ep == 1:
+            raise SpecError("defer_wgrad", True, "needs expert parallelism (ep > 1): without an exchange there is "
+                            "nothing for the weight gradients to overlap", "set defer_wgrad=false or ep > 1")
         if self.defer_wgrad and self.ep_comm_overlap:
             raise SpecError("defer_wgrad", True, "and ep_comm_overlap both move the experts' weight gradients (Megatron's "
                             "overlap brings its own --delay-wgrad-compute)", "set defer_wgrad=false with ep_comm_overlap")

@@ -160,12 +160,13 @@ def layer_cost(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, moe: b
     a2a_f = _exchange_exposed(model, shape, cluster, exp_chunk, chunks)
     a2a_b = (_backward_deferred_exposed if shape.deferred_wgrad else _exchange_exposed)(
         model, shape, cluster, exp_chunk if shape.deferred_wgrad else 2 * exp_chunk, chunks)
-    if shape.shared_overlap and chunks == 1:
+    if shape.shared_overlap and chunks == 1 and not shape.deferred_wgrad:
         # Megatron's --moe-shared-expert-overlap: the shared expert's forward computes while the
         # forward exchanges are in flight (fc1 beside dispatch, fc2 beside combine, in Megatron-Core's
         # alltoall dispatcher and in Piper's unpipelined one). Backward is priced unhidden: Piper's
         # runtime overlaps the forward only, and Megatron's backward overlap rides on CUDA stream
-        # semantics not measured here. A pipelined exchange (chunks > 1) runs the shared expert after it.
+        # semantics not measured here. A pipelined exchange (chunks > 1) runs the shared expert after it,
+        # and so does one whose weight gradients are deferred (Piper's fused call, one chunk included).
         a2a_f = max(0.0, a2a_f - shared_expert_forward(model, shape, acc))
     # the token counts go round the ep group before the dispatch (Megatron's preprocess, Piper's
     # exchange_counts): one small all-gather, latency-bound, forward only

@@ -37,7 +37,7 @@ import deepspeed  # noqa: E402
 
 import piper_deepspeed  # noqa: E402
 from piper_core.errors import Infeasible, SpecError  # noqa: E402
-from piper_core.export import deepspeed_config  # noqa: E402
+from piper_core.export import deepspeed_config, plan_label as describe  # noqa: E402
 from piper_core.presets import load_cluster, load_model, model_names  # noqa: E402
 from piper_core.resource.params import stage_params  # noqa: E402
 from piper_core.resource.predict import predict  # noqa: E402
@@ -54,7 +54,8 @@ CONFIG = {"train_batch_size": 8, "zero_optimization": {"stage": 0}}
 
 @pytest.mark.parametrize("block, match", [
     (OK | {"chunk": 4}, r"piper\.chunk=4: is not a key of the piper block; did you mean 'chunks'\? valid keys: "
-                        r"enabled, cluster, profile, a2a, chunks, memory_headroom, plan_only, trace, model, plan"),
+                        r"enabled, cluster, profile, a2a, chunks, defer_wgrad, memory_headroom, plan_only, trace, model, "
+                        r"plan"),
     (OK | {"a2a": "ring"}, r"piper\.a2a='ring': must be one of auto, flat, hierarchical; write e\.g\. \"a2a\": "
                            r"\"hierarchical\" \(pipeline it with \"chunks\"\)$"),
     (OK | {"chunks": 0}, r"piper\.chunks=0: must be an int >= 1, \"auto\" or \"tune\""),
@@ -379,3 +380,22 @@ def test_builder_refuses_what_it_cannot_build() -> None:
     spec = dataclasses.replace(load_model("tiny-moe"), num_layers=3)
     with pytest.raises(SpecError, match=r"pp=2: must divide num_layers \(3\)"):
         build_model(spec, ParallelPlan(gpus=2, pp=2, global_batch_size=1))
+
+
+def test_defer_wgrad_reaches_the_plan_the_export_and_is_said_where_it_cannot_apply() -> None:
+    """``"defer_wgrad": true`` puts the deferral in the searched and the pinned plan (ep > 1; priced),
+    the export writes it back, and a plan with ep = 1 (no exchange) says it was dropped."""
+    searched = plan_for(CONFIG | {"piper": OK | {"chunks": 2, "defer_wgrad": True}}, 2)
+    assert searched.plan.ep == 2 and searched.plan.defer_wgrad
+    plain = plan_for(CONFIG | {"piper": OK | {"chunks": 2}}, 2)
+    assert not plain.plan.defer_wgrad and searched.prediction.time.step <= plain.prediction.time.step
+    pinned = plan_for(CONFIG | {"piper": OK | PIN | {"defer_wgrad": True}}, 2)
+    assert pinned.plan.defer_wgrad and describe(pinned.plan).endswith("+dwg")
+    exported = deepspeed_config(pinned.prediction)
+    exported["piper"]["model"] = "tiny-moe"
+    assert exported["piper"]["defer_wgrad"] is True and plan_for(exported, 2).plan == pinned.plan
+    config = CONFIG | {"piper": OK | {"plan": {"ep": 1, "mbs": 1}, "defer_wgrad": True}}
+    alone = plan_for(config, 2)
+    assert alone.plan.ep == 1 and not alone.plan.defer_wgrad
+    rewritten, changes = rewrite_config(config, alone)
+    assert ("piper.defer_wgrad (needs ep > 1)", True, False) in changes and rewritten["piper"]["defer_wgrad"] is False

@@ -8,7 +8,9 @@ losses must agree to fp32 rounding (rtol 1e-5), and the engine must hold PiperMO
 
 * 2 processes, ep 2: ZeRO 0 (flat all-to-all pipelined in 2 chunks), ZeRO 1 (hierarchical), ZeRO 2
   (flat, 4 chunks), ZeRO 0 with ``"chunks": "tune"`` (7 steps: every layer measures 1/2/4/8
-  chunks in 12 micro-batches, then keeps one, the same on both ranks); plus, on the same processes: a searched (unpinned) plan, whose config
+  chunks in 12 micro-batches, then keeps one, the same on both ranks), ZeRO 2 hierarchical in 2
+  chunks with ``"defer_wgrad": true`` (its trace shows each chunk's weight gradients computed after
+  its dispatch gradient was posted); plus, on the same processes: a searched (unpinned) plan, whose config
   rewrite, engine settings and rank-0 printout are checked against ``plan_for``/``report``, and its
   ``trace`` files (plan.json, one dispatch post per chunk per MoE layer per micro-batch); a model
   built with a conflicting ep_size (an error naming the layer); ``plan_only`` (PlanOnly on every rank).
@@ -44,7 +46,8 @@ def _config(stage: int, **block) -> dict:
     return cfg | ({"piper": BLOCK | block} if block else {})
 
 
-def _pair(stage: int, a2a: str, chunks: int | str, *, ep: int, pipeline: bool = False, steps: int = STEPS) -> dict:
+def _pair(stage: int, a2a: str, chunks: int | str, *, ep: int, pipeline: bool = False, steps: int = STEPS,
+          **block) -> dict:
     from piper_deepspeed.train import TrainArgs, train
 
     world = torch.distributed.get_world_size()
@@ -52,7 +55,7 @@ def _pair(stage: int, a2a: str, chunks: int | str, *, ep: int, pipeline: bool = 
     mbs = BASE["train_micro_batch_size_per_gpu"]
     gas = BASE["train_batch_size"] // (mbs * world // stages)
     stock_cfg = _config(stage) | {"gradient_accumulation_steps": gas}
-    piper_cfg = _config(stage, a2a=a2a, chunks=chunks, plan={"pp": stages, "ep": ep, "mbs": mbs}) \
+    piper_cfg = _config(stage, a2a=a2a, chunks=chunks, plan={"pp": stages, "ep": ep, "mbs": mbs}, **block) \
         | {"gradient_accumulation_steps": gas}
     common = dict(model="tiny-moe", steps=steps, pipeline=pipeline, quiet=True)
     with contextlib.redirect_stdout(io.StringIO()):
@@ -116,7 +119,8 @@ def _conflict_and_plan_only() -> dict:
 def _two_ranks(rank: int, world: int, trace: str) -> dict:
     deepspeed_comm()
     pairs = [_pair(0, "flat", 2, ep=2), _pair(1, "hierarchical", 1, ep=2), _pair(2, "flat", 4, ep=2),
-             _pair(0, "flat", "tune", ep=2, steps=7)]
+             _pair(0, "flat", "tune", ep=2, steps=7),
+             _pair(2, "hierarchical", 2, ep=2, defer_wgrad=True, trace=f"{trace}/defer")]
     return {"pairs": pairs, "searched": _searched(trace), "errors": _conflict_and_plan_only()}
 
 
@@ -154,6 +158,15 @@ def test_two_ranks_zero_0_1_2_searched_plan_and_errors(tmp_path) -> None:
         assert chosen in (1, 2, 4, 8) and set(medians) == {1, 2, 4, 8} and all(0 < m < 10 for m in medians.values())
     assert all(not r["pairs"][0]["tuned"] for r in results)  # a fixed chunk count measures nothing
     assert all(set(r["pairs"][0]["exchanges"]) == {("flat in 2 pipelined chunks", 1)} for r in results)
+    assert all({label for label, _ in r["pairs"][4]["exchanges"]}
+               == {"hierarchical in 2 pipelined chunks, expert weight gradients deferred"} for r in results)
+    for rank in range(2):  # defer_wgrad: per chunk, post the dispatch gradient, then the weight GEMMs, in every layer
+        events = [json.loads(line) for line in (tmp_path / "defer" / f"a2a-rank{rank}.jsonl").read_text().splitlines()]
+        back = [(e["layer"], e["action"], e["exchange"], e["chunk"]) for e in events if e["direction"] == "backward"]
+        wgrads = [i for i, (_, action, _, _) in enumerate(back) if action == "wgrad"]
+        assert len(wgrads) == STEPS * 2 * 4 * 2  # steps x micro-batches per rank (GAS 2) x layers x chunks
+        assert all(back[i - 1][1:] == ("post", "dispatch", back[i][3]) and back[i - 1][0] == back[i][0]
+                   for i in wgrads)
     searched = results[0]["searched"]
     assert searched["built"] == searched["plan"]
     assert searched["engine"] == searched["rewritten"]

@@ -42,8 +42,9 @@ TRAIN = {2: {"pp": 1, "ep": 2}, 4: {"pp": 2, "ep": 2}}  # world 4: stages (0, 1)
 # "tune": every layer measures 1/2/4/8 chunks for 3 calls each (12 calls: 6 steps of 2 micro-batches),
 # then runs its choice in the last step. Flat and hierarchical variants get their settings from the
 # flags --piper-a2a A --piper-chunks N (the plan's algorithm and chunks, independent of each other).
+# "dwg": hierarchical in 2 chunks with --piper-defer-wgrad (the experts' weight gradients deferred).
 TRAIN_VARIANTS: tuple[tuple[str, int] | str, ...] = ("stock", ("flat", 1), ("hierarchical", 1), ("flat", 2),
-                                                    ("hierarchical", 2), ("aggregated", 4), "tune")
+                                                    ("hierarchical", 2), ("aggregated", 4), "tune", "dwg")
 TRAIN_STEPS, MICRO_BATCHES, MBS, SEQ = 7, 2, 2, 32
 
 
@@ -55,19 +56,25 @@ class DispatchCase:
     capacity: str
     algorithm: str
     chunks: int
+    defer: bool = False  # the experts' weight gradients deferred (--piper-defer-wgrad)
 
     @property
     def id(self) -> str:
         tp = f"tp{self.tp}-" if self.tp > 1 else ""
-        return f"{tp}ep{self.ep}-top{self.topk}-{self.capacity}-{self.algorithm}-chunks{self.chunks}"
+        dwg = "-dwg" if self.defer else ""
+        return f"{tp}ep{self.ep}-top{self.topk}-{self.capacity}-{self.algorithm}-chunks{self.chunks}{dwg}"
 
 
 def dispatch_cases(world: int) -> list[DispatchCase]:
-    """Every combination at tp 1; at tp 2 (sequence parallel) a smaller set."""
+    """Every combination at tp 1; at tp 2 (sequence parallel) a smaller set; deferred weight
+    gradients on a smaller set of each layout (top-2, with and without dropping, flat and
+    hierarchical, unpipelined and in 2 chunks)."""
     full = [DispatchCase(1, ep, topk, cap, alg, chunks) for tp, ep in LAYOUTS[world] if tp == 1 for topk in (1, 2)
             for cap in CAPACITY for alg in ALGORITHMS for chunks in (1, 2, 4)]
+    deferred = [DispatchCase(tp, ep, 2, cap, alg, chunks, defer=True) for tp, ep in LAYOUTS[world]
+                for cap in ("dropless", "cf1.0") for alg in ("flat", "hierarchical") for chunks in (1, 2)]
     return full + [DispatchCase(tp, ep, 2, cap, alg, chunks) for tp, ep in LAYOUTS[world] if tp > 1
-                   for cap in ("dropless", "cf1.0") for alg in ("flat", "hierarchical") for chunks in (1, 2)]
+                   for cap in ("dropless", "cf1.0") for alg in ("flat", "hierarchical") for chunks in (1, 2)] + deferred
 
 
 def variant_id(variant: tuple[str, int] | str) -> str:
@@ -155,7 +162,7 @@ def _dispatcher_cases(rank: int, world: int, trace_dir: str) -> tuple[dict[str, 
             config, submodules = _moe_config(world, ep, case.topk, case.capacity, tp)
             stock_layer = _layer(config, submodules)
             stock = _forward_backward(stock_layer, rank)
-            settings = DispatchSettings(algorithm=Algorithm(case.algorithm), chunks=case.chunks)
+            settings = DispatchSettings(algorithm=Algorithm(case.algorithm), chunks=case.chunks, defer_wgrad=case.defer)
             patches = install_dispatcher(comm, settings)
             try:
                 piper_layer = _layer(config, submodules, source=stock_layer)
@@ -254,6 +261,11 @@ def _settings(variant: tuple[str, int] | str) -> Any:
         return None
     if variant == "tune":
         return DispatchSettings(algorithm=Algorithm.FLAT, chunks=2, tune=True)
+    if variant == "dwg":
+        options = parse_piper_options(["--piper", "--piper-a2a", "hierarchical", "--piper-chunks", "2",
+                                       "--piper-defer-wgrad"])
+        assert options.defer_wgrad
+        return DispatchSettings.from_plan(options.a2a, options.chunks, defer_wgrad=options.defer_wgrad)
     algorithm, chunks = variant
     if algorithm == "aggregated":
         return DispatchSettings(algorithm=Algorithm.AGGREGATED, chunks=chunks)

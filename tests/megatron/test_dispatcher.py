@@ -9,7 +9,9 @@ backward on the same input; the output, the input gradient and every parameter g
 and experts) must agree to 1e-6, for ep 2 (2 and 4 processes) and ep 4, top-1 and top-2, dropless,
 capacity factor 1.0 (token dropping) and capacity factor 1.0 with padding, every algorithm (flat,
 hierarchical, aggregated; every expert-parallel group spans two "nodes"), and 1, 2 and 4 chunks; and,
-on 4 processes, tp 2 with sequence parallelism and ep 2 (a smaller set).
+on 4 processes, tp 2 with sequence parallelism and ep 2 (a smaller set); and with the experts' weight
+gradients deferred (``--piper-defer-wgrad``: the expert linears' forward in torch operations, the
+backward split) on a smaller set of every layout, to the same 1e-6.
 The experts must run once per chunk (the pipelined path really is chunked) and the layer must hold
 Piper's dispatcher. The traced case checks the ``--piper-trace`` records against the routing; the
 hook case runs the path ``--piper`` takes at run time (``initialize_model_parallel`` hooked).
@@ -75,11 +77,16 @@ def test_hierarchical_in_chunks_trains_like_stock(piper_ranks, world):
         assert run["exchange"]["hierarchical-chunks2"] == {"algorithm": "hierarchical", "chunks": 2,
                                                            "stages": [2, 2]}, f"rank {rank}"
         assert run["exchange"]["flat-chunks2"] == {"algorithm": "flat", "chunks": 2, "stages": [1, 1]}, f"rank {rank}"
+        assert run["exchange"]["dwg"] == run["exchange"]["hierarchical-chunks2"], f"rank {rank}"
         if run["last_stage"]:
-            stock, piper = run["losses"]["stock"], run["losses"]["hierarchical-chunks2"]
-            assert len(piper) == len(stock) == 7
-            for step, (want, got) in enumerate(zip(stock, piper)):
-                assert got == pytest.approx(want, abs=1e-5, rel=0), f"rank {rank} step {step}: {got} vs stock {want}"
+            # dwg: the same exchange with the experts' weight gradients deferred (--piper-defer-wgrad), through
+            # Megatron's DDP and optimizer: Adam steps on those gradients keep the losses on stock's
+            for variant in ("hierarchical-chunks2", "dwg"):
+                stock, piper = run["losses"]["stock"], run["losses"][variant]
+                assert len(piper) == len(stock) == 7
+                for step, (want, got) in enumerate(zip(stock, piper)):
+                    assert got == pytest.approx(want, abs=1e-5, rel=0), \
+                        f"rank {rank} {variant} step {step}: {got} vs stock {want}"
 
 
 def test_settings_follow_the_plan_names():

@@ -38,8 +38,10 @@ def _cluster(mbit: float):
 def test_declaration_is_the_models_pick_among_pipers_exchanges():
     cluster = _cluster(5.0)
     d = declare(CASE, cluster)
-    assert set(d["predicted_s"]) == {f"{a}/{c}" for a in ("flat", "hierarchical") for c in (1, 2, 4, 8)}
-    assert d["predicted_s"][d["judged"]] == min(d["predicted_s"].values())
+    exchanges = {f"{a}/{c}" for a in ("flat", "hierarchical") for c in (1, 2, 4, 8)}
+    assert set(d["predicted_s"]) == exchanges | {f"{e}+dwg" for e in exchanges}
+    assert d["predicted_s"][d["judged"]] == min(d["predicted_s"][e] for e in exchanges)  # +dwg is never judged
+    assert all(d["predicted_s"][f"{e}+dwg"] <= d["predicted_s"][e] for e in exchanges)
     assert d["chunks"] >= 2
     base = base_plan(CASE)
     assert d["predicted_stock_s"] == step_time(MODEL, base, cluster).step
@@ -148,7 +150,9 @@ def test_repredicting_from_other_profiles_keeps_the_declared_judged_variant(tmp_
 def test_a_diagnostic_subset_runs_the_named_variants_and_gives_no_verdict():
     assert [parse_variant(n).plan(base_plan(CASE)).a2a_chunks for n in ("flat/1", "hierarchical/4")] == [1, 4]
     assert parse_variant("stock").stock and parse_variant("flat/tune").tune
-    for bad in ("pipelined/2", "flat/0", "flat/x", "stock/1"):
+    deferred = parse_variant("hierarchical/2+dwg")
+    assert deferred.defer and deferred.plan(base_plan(CASE)).defer_wgrad and not parse_variant("flat/2").defer
+    for bad in ("pipelined/2", "flat/0", "flat/x", "stock/1", "flat/1+dw", "stock+dwg"):
         with pytest.raises(ValueError, match="is not a variant.*ALGORITHM/CHUNKS"):
             parse_variant(bad)
     with pytest.raises(SystemExit):  # refused before any calibration or run

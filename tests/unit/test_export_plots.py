@@ -159,8 +159,9 @@ def test_deepspeed_config_block_and_batch_arithmetic():
     assert cfg["bf16"] == {"enabled": True} and "fp16" not in cfg
     assert cfg["zero_optimization"] == {"stage": 1}
     piper = cfg["piper"]
-    assert list(piper) == ["enabled", "cluster", "profile", "a2a", "chunks", "memory_headroom", "plan_only", "trace",
-                           "plan", "predicted"]
+    assert list(piper) == ["enabled", "cluster", "profile", "a2a", "chunks", "defer_wgrad", "memory_headroom",
+                           "plan_only", "trace", "plan", "predicted"]
+    assert piper["defer_wgrad"] is False
     assert (piper["enabled"], piper["cluster"], piper["profile"], piper["a2a"], piper["chunks"]) == (
         True, "dgx-h100", None, "hierarchical", 1)
     assert (piper["memory_headroom"], piper["plan_only"], piper["trace"]) == (0.0, False, None)
