@@ -243,9 +243,9 @@ def test_chunks_and_counts_errors_name_the_rule() -> None:
 
 # --- one gradient accumulation per parameter, whatever the chunk count ------------------------------
 
-def _accumulations(rank: int, world: int) -> dict[str, object]:
-    """Per chunk count: how often each expert parameter's post-accumulate hook fired in one backward,
-    with and without ``params``, and whether the gradients equal the reference's."""
+def _counted_setup(rank: int, world: int):
+    """A comm, counts, inputs, an upstream gradient, and linear experts whose parameters count their
+    gradient accumulations in ``fired``."""
     comm = create_comm(NodeTopology.uniform(world_size=world, ranks_per_node=1))
     counts = moe_cases(world, 5)[0][1]
     x, probs = _inputs(rank, counts, 5)
@@ -254,6 +254,13 @@ def _accumulations(rank: int, world: int) -> dict[str, object]:
     fired = {"w": 0, "b": 0}
     experts.w.register_post_accumulate_grad_hook(lambda p: fired.__setitem__("w", fired["w"] + 1))
     experts.b.register_post_accumulate_grad_hook(lambda p: fired.__setitem__("b", fired["b"] + 1))
+    return comm, counts, x, probs, up, experts, fired
+
+
+def _accumulations(rank: int, world: int) -> dict[str, object]:
+    """Per chunk count: how often each expert parameter's post-accumulate hook fired in one backward,
+    with and without ``params``, and whether the gradients equal the reference's."""
+    comm, counts, x, probs, up, experts, fired = _counted_setup(rank, world)
     want = _fwd_bwd(lambda a, p: reference_moe(a, p, counts, experts, rank), x, probs, experts, up)
     out: dict[str, object] = {}
     for chunks in (1, 3, 2, 5):  # a count that changes between calls, as AutoChunks hands them out
@@ -282,14 +289,7 @@ def test_params_get_one_accumulation_per_backward_at_any_chunk_count() -> None:
 def _deferred(rank: int, world: int) -> dict[str, object]:
     """Per algorithm and chunk count: whether ``defer_wgrad`` gives gradients bit-identical to the
     undeferred backward, how often each parameter's accumulation hook fired, and the backward events."""
-    comm = create_comm(NodeTopology.uniform(world_size=world, ranks_per_node=1))
-    counts = moe_cases(world, 5)[0][1]
-    x, probs = _inputs(rank, counts, 5)
-    up = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
-    experts = LinearExperts(counts.shape[1] // world, 7 + rank)
-    fired = {"w": 0, "b": 0}
-    experts.w.register_post_accumulate_grad_hook(lambda p: fired.__setitem__("w", fired["w"] + 1))
-    experts.b.register_post_accumulate_grad_hook(lambda p: fired.__setitem__("b", fired["b"] + 1))
+    comm, counts, x, probs, up, experts, fired = _counted_setup(rank, world)
     params = (experts.w, experts.b)
     out: dict[str, object] = {}
     for alg in Algorithm:
