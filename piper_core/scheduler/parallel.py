@@ -48,7 +48,7 @@ def groups(job: _Scan, outer: list[tuple], workers: int) -> list[list[tuple[int,
         if i == len(outer) or outer[i][dim] != outer[start][dim]:
             runs.setdefault(outer[start][dim], []).append((start, i))
             start = i
-    for i, o in enumerate(outer):
+    for o in outer:
         weight[o[dim]] = weight.get(o[dim], 0) + job.structural(o) * (1 if o[EP_DIM] == 1 else len(job.space.a2a))
     return [runs[v] for v in sorted(runs, key=lambda v: -weight[v])]
 

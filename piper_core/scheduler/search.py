@@ -127,9 +127,9 @@ def search(model: ModelSpec, cluster: ClusterSpec, gpus: int, gbs: int, *, space
     the whole search; two plans that differ only in the distributed optimizer share their checks and
     activations (:class:`_Memory`).
 
-    ``workers`` > 1 splits the grid into that many contiguous parts of about equal work and scans
-    all but the first in forked processes (:mod:`.parallel`): the result is the same, in the same
-    order. Only for a process that may fork (the ``piper plan`` CLI); the adapters plan inside
+    ``workers`` > 1 scans the grid in this process and ``workers - 1`` forked ones, which take its
+    groups of combinations (by ep) from a shared counter (:mod:`.parallel`): the result is the same,
+    in the same order. Only for a process that may fork (the ``piper plan`` CLI); the adapters plan inside
     training processes and keep the default.
 
     The cyclic garbage collector is paused meanwhile: the search allocates hundreds of thousands of
@@ -316,9 +316,14 @@ def _with(plan: ParallelPlan, **changes) -> ParallelPlan:
     return ParallelPlan(**kwargs)
 
 
+# What Megatron's EP overlap turns off: its shared-expert overlap (Megatron refuses both) and Piper's
+# deferred weight gradients (the EP overlap brings Megatron's own --delay-wgrad-compute).
+_EP_OVERLAP = dict(ep_comm_overlap=True, shared_expert_overlap=False, defer_wgrad=False)
+
+
 def _with_a2a(plan: ParallelPlan, algo: str, chunks: int, ep_overlap: bool = False) -> ParallelPlan:
-    if ep_overlap:  # Megatron refuses its shared-expert overlap beside its EP overlap
-        return _with(plan, a2a=algo, a2a_chunks=chunks, ep_comm_overlap=True, shared_expert_overlap=False)
+    if ep_overlap:
+        return _with(plan, a2a=algo, a2a_chunks=chunks, **_EP_OVERLAP)
     return _with(plan, a2a=algo, a2a_chunks=chunks)
 
 
@@ -363,7 +368,7 @@ _HASH_SETTER = ParallelPlan._hash.__set__
 def _copy_a2a(plan: ParallelPlan, algo: str, chunks: int, ep_overlap: bool = False) -> ParallelPlan:
     """What :func:`_with_a2a` returns, without ParallelPlan's checks (for a variant already checked)."""
     if ep_overlap:
-        return _copy(plan, a2a=algo, a2a_chunks=chunks, ep_comm_overlap=True, shared_expert_overlap=False)
+        return _copy(plan, a2a=algo, a2a_chunks=chunks, **_EP_OVERLAP)
     return _copy(plan, a2a=algo, a2a_chunks=chunks)
 
 

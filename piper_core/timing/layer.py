@@ -108,10 +108,15 @@ def pipeline_time(stages: tuple[Stage, ...], chunks: int) -> float:
     more chunk per period of the busiest resource (the flow-shop bound; exact for one resource per
     stage, a close lower bound when a resource serves several stages, as the links do for dispatch
     and combine)."""
+    return sum(t for _, t in stages) + (chunks - 1) * max(_loads(stages).values(), default=0.0)
+
+
+def _loads(stages: tuple[Stage, ...]) -> dict[str, float]:
+    """Seconds each resource is busy per chunk."""
     load: dict[str, float] = {}
     for resource, t in stages:
         load[resource] = load.get(resource, 0.0) + t
-    return sum(t for _, t in stages) + (chunks - 1) * max(load.values(), default=0.0)
+    return load
 
 
 def _exchange_exposed(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, experts_chunk: float,
@@ -130,9 +135,7 @@ def _backward_deferred_exposed(model: ModelSpec, shape: LayerShape, cluster: Clu
     stages, the input gradients, then the longer of the dispatch's stages and the weight gradients;
     each further chunk adds a period of the busiest resource (as :func:`pipeline_time`)."""
     way = _dispatch_stages(model, shape, cluster, chunks)
-    load: dict[str, float] = {"experts": 2 * experts_chunk}
-    for resource, t in way + way[::-1]:
-        load[resource] = load.get(resource, 0.0) + t
+    load = _loads(way + (("experts", 2 * experts_chunk),) + way[::-1])
     one_way = sum(t for _, t in way)
     path = one_way + experts_chunk + max(one_way, experts_chunk)
     return path + (chunks - 1) * max(load.values()) - chunks * 2 * experts_chunk
@@ -158,8 +161,10 @@ def layer_cost(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, moe: b
     _, exp_chunk = moe_forward(model, shape, acc, chunks=chunks)
     exp_f, exp_b = chunks * exp_chunk, 2 * chunks * exp_chunk
     a2a_f = _exchange_exposed(model, shape, cluster, exp_chunk, chunks)
-    a2a_b = (_backward_deferred_exposed if shape.deferred_wgrad else _exchange_exposed)(
-        model, shape, cluster, exp_chunk if shape.deferred_wgrad else 2 * exp_chunk, chunks)
+    if shape.deferred_wgrad:
+        a2a_b = _backward_deferred_exposed(model, shape, cluster, exp_chunk, chunks)
+    else:
+        a2a_b = _exchange_exposed(model, shape, cluster, 2 * exp_chunk, chunks)
     if shape.shared_overlap and chunks == 1 and not shape.deferred_wgrad:
         # Megatron's --moe-shared-expert-overlap: the shared expert's forward computes while the
         # forward exchanges are in flight (fc1 beside dispatch, fc2 beside combine, in Megatron-Core's

@@ -596,3 +596,19 @@ def test_save_and_resume_through_megatrons_arguments(api_run, api):
     want = expected_args(recorded)
     assert _subset(resumed["args"], want) == want
     assert any("resuming with the plan its checkpoint was saved with" in line for line in resumed["piper_lines"])
+
+
+def test_defer_wgrad_flag_plans_deferred_exchanges_and_exports_the_flag():
+    """``--piper-defer-wgrad``: the whole search runs (Megatron's EP-overlap variants included, which
+    keep their own delay), the pick defers and says so, and the export passes the flag on."""
+    from piper_core.export import piper_flags
+
+    job = planned(SWITCH + PIPER + ["--piper-defer-wgrad"], world=1024)
+    plan = job.top.plan
+    assert plan.ep > 1 and plan.defer_wgrad and describe(plan).endswith("+dwg")
+    assert all(s.plan.defer_wgrad == (s.plan.ep > 1 and not s.plan.ep_comm_overlap) for s in job.result.scored)
+    assert dispatcher_description(job).endswith("the experts' weight gradients computed while each dispatch "
+                                                "gradient is in flight")
+    assert ("--piper-defer-wgrad", None) in piper_flags(plan)
+    plain = planned(SWITCH + PIPER, world=1024).top
+    assert job.top.time.step <= plain.time.step

@@ -427,3 +427,17 @@ def test_a_forked_worker_that_fails_or_dies_is_reported_not_waited_for(monkeypat
     paused.clear()
     with pytest.raises(RuntimeError, match=r"search worker 2 of 2 \(pid \d+\) died \(exit code 3\).*--workers 1"):
         search(DEEPSEEK_7, cluster, 64, 256, space=DS_SPACE, workers=2)
+
+
+def test_a_space_that_defers_weight_gradients_gives_them_to_every_plan_but_megatrons_ep_overlap():
+    """``SearchSpace.defer_wgrad`` (``--piper-defer-wgrad``): every plan with ep > 1 defers, except the
+    EP-overlap variants, which bring Megatron's own --delay-wgrad-compute instead (ParallelPlan refuses
+    the two together); and each such plan is timed with the deferral."""
+    cluster = load_cluster("dgx-h100")
+    space = dataclasses.replace(DS_SPACE, defer_wgrad=True)
+    result = search(DEEPSEEK_7, cluster, 64, 256, space=space)
+    plans = [s.plan for s in result.scored]
+    assert any(p.ep_comm_overlap for p in plans) and any(p.defer_wgrad for p in plans)
+    assert all(p.defer_wgrad == (p.ep > 1 and not p.ep_comm_overlap) for p in plans)
+    for s in result.scored[:200]:
+        assert s.step_s == step_time(DEEPSEEK_7, s.plan, cluster, exact=False).step
