@@ -22,11 +22,14 @@ import importlib
 import io
 import os
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from piper_core.errors import SpecError
 from piper_core.specs.yamlio import to_dict
-from piper_core.validate.instrument import ActivationPeak, TrainJob, launch, median
+from piper_core.trainers import Trainer
+from piper_core.validate.instrument import ActivationPeak, TrainJob, median
 
 TIMEOUT_S = 600.0
 
@@ -144,10 +147,22 @@ def rank_main(info: Any, job_json: dict[str, Any]) -> dict[str, Any]:
     return _train(TrainJob.from_json(job_json))
 
 
+def probe_setup(info: Any) -> Callable[[TrainJob, Path], dict[str, Any]]:
+    """Rank side of the host-overhead probe (:mod:`piper_core.calibrate.probe`): many small jobs in
+    this process."""
+    os.environ.setdefault("LOCAL_RANK", str(info.local_rank))
+    init_deepspeed_comm()
+    return lambda job, tmp: _train(job)
+
+
+TRAINER = Trainer(name="deepspeed", rank_target="piper_deepspeed.measure:rank_main", probe_setup=probe_setup,
+                  check=ds_config, requires=("deepspeed",))
+"""Registered as the ``deepspeed`` trainer (entry-point group ``piper.trainers``, pyproject.toml);
+``check``: :func:`ds_config` refuses what the trainer cannot run before any process starts."""
+
+
 def run(job: TrainJob, *, nodes: int = 1, inter_node_mbit: float | None = None, timeout_s: float = TIMEOUT_S,
         realtime: bool = False) -> list[dict[str, Any]]:
     """Train ``job`` on ``job.plan.gpus`` ranks, local or on an emulated cluster of ``nodes`` nodes;
     every rank's report in rank order (as :func:`piper_megatron.train.run`)."""
-    ds_config(job)  # refuse what the trainer cannot run before any process starts
-    return launch("piper_deepspeed.measure:rank_main", job, nodes=nodes, inter_node_mbit=inter_node_mbit,
-                  timeout_s=timeout_s, realtime=realtime)
+    return TRAINER.run(job, nodes=nodes, inter_node_mbit=inter_node_mbit, timeout_s=timeout_s, realtime=realtime)

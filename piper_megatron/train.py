@@ -25,11 +25,12 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from piper_core.validate.instrument import ActivationPeak, TrainJob, launch, median, summary
+from piper_core.trainers import Trainer
+from piper_core.validate.instrument import ActivationPeak, TrainJob, median, summary
 
 __all__ = ["ActivationPeak", "TrainJob", "rank_main", "run", "summary"]
 
@@ -198,13 +199,26 @@ def rank_main(info: Any, job_json: dict[str, Any]) -> dict[str, Any]:
         return _train(job, info.ranks_per_node, Path(tmp))
 
 
+def probe_setup(info: Any) -> Callable[[TrainJob, Path], dict[str, Any]]:
+    """Rank side of the host-overhead probe (:mod:`piper_core.calibrate.probe`): many small jobs in
+    this process, each in ``tmp`` for its traces."""
+    from piper_megatron.cpu import install_cpu_training_shims
+
+    install_cpu_training_shims()
+    return lambda job, tmp: _train(job, info.ranks_per_node, tmp)
+
+
+TRAINER = Trainer(name="megatron", rank_target="piper_megatron.train:rank_main", probe_setup=probe_setup,
+                  requires=("megatron.core",))
+"""Registered as the ``megatron`` trainer (entry-point group ``piper.trainers``, pyproject.toml)."""
+
+
 def run(job: TrainJob, *, nodes: int = 1, inter_node_mbit: float | None = None,
         timeout_s: float = TIMEOUT_S, realtime: bool = False) -> list[dict[str, Any]]:
     """Train ``job`` on ``job.plan.gpus`` ranks: local (``nodes == 1``) or on an emulated cluster of
     ``nodes`` nodes (root; links shaped to ``inter_node_mbit``). Every rank's report, in rank order.
     ``realtime``: ranks under SCHED_FIFO (see :func:`piper_core.emulate.launch.launch`)."""
-    return launch("piper_megatron.train:rank_main", job, nodes=nodes, inter_node_mbit=inter_node_mbit,
-                  timeout_s=timeout_s, realtime=realtime)
+    return TRAINER.run(job, nodes=nodes, inter_node_mbit=inter_node_mbit, timeout_s=timeout_s, realtime=realtime)
 
 
 # ---- command line ---------------------------------------------------------------------------------

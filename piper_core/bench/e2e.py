@@ -81,7 +81,6 @@ WORKLOADS = {w.name: w for w in (Workload(name="small", model=MODEL, micro_batch
 
 
 FRAMEWORKS = ("megatron", "deepspeed")
-TARGETS = {"megatron": "piper_megatron.train:rank_main", "deepspeed": "piper_deepspeed.measure:rank_main"}
 TOPOLOGIES = ((2, 1), (2, 2))
 MBITS = (5.0, 1000.0)  # a slow link (the exchange a large share of the step) and a fast one (a small share)
 ROUNDS, TIMED_STEPS, WARMUP = 5, 4, 2
@@ -229,15 +228,16 @@ def calibrate(case: Case, profiles: Path) -> Path:
 def run_variant(case: Case, variant: Variant, timed_steps: int = TIMED_STEPS) -> dict[str, Any]:
     """One job of ``variant`` on ``case``'s emulated cluster, ``timed_steps`` steps timed after the
     warm-up: the slowest rank's step times, the losses, or the error."""
-    from piper_core.validate.instrument import TrainJob, launch, summary
+    from piper_core import trainers
+    from piper_core.validate.instrument import TrainJob, summary
 
     warm = warmup_steps(variant, case.load.micro_batches)
     job = TrainJob(model=case.load.model, plan=variant.plan(base_plan(case)), steps=warm + timed_steps, warmup=warm,
                    stock=variant.stock, tune=variant.tune)
     start = time.perf_counter()
     try:
-        reports = launch(TARGETS[case.framework], job, nodes=case.nodes, inter_node_mbit=case.mbit,
-                         timeout_s=RUN_TIMEOUT_S, realtime=True)
+        reports = trainers.get(case.framework).run(job, nodes=case.nodes, inter_node_mbit=case.mbit,
+                                                   timeout_s=RUN_TIMEOUT_S, realtime=True)
     except Exception as exc:  # recorded, counted as a failure of the verdict
         return {"variant": variant.name, "error": f"{type(exc).__name__}: {exc}", "wall_s": time.perf_counter() - start}
     s = summary(reports)

@@ -1,16 +1,15 @@
 """``calibrate()``: run the benchmarks, fit, write the profile; what ``piper calibrate`` calls.
 
 Steps run in order (:mod:`~piper_core.calibrate.steps`); the fits use whatever succeeded and fall
-back to the base preset, saying so, for what did not. The host-overhead probe of the Megatron
-adapter (``piper_megatron.probe``) is one more step when it can be imported; if it cannot, or it
-fails, the overhead fields stay at the base preset's values and the profile records why.
+back to the base preset, saying so, for what did not. The host-overhead probe
+(:mod:`~piper_core.calibrate.probe`) is one more step when an adapter has registered the framework's
+trainer (:mod:`piper_core.trainers`); if none has, or the probe fails, the overhead fields stay at the base preset's values and the profile records why.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib
 import os
 import platform
 import sys
@@ -21,14 +20,14 @@ from typing import Any
 
 from piper_core.calibrate.assemble import check_collectives, fit_accelerator, fit_links, reduce_outcomes
 from piper_core.calibrate.profile import write_profile
-from piper_core.calibrate.steps import OVERHEAD_PROBE, Outcome, RunLog, Step, Topology, overhead_probe_available, \
+from piper_core.calibrate.probe import FIELDS as OVERHEAD_FIELDS
+from piper_core.calibrate.probe import fit_overheads
+from piper_core.calibrate.steps import Outcome, RunLog, Step, Topology, overhead_probe_available, \
     plan_steps, run_steps
 from piper_core.errors import SpecError
 from piper_core.presets import load_cluster
 from piper_core.specs.cluster import ClusterSpec
 
-OVERHEAD_FIELDS = ("layer_overhead_us", "moe_overhead_us", "expert_overhead_us", "backward_overhead_factor",
-                   "microbatch_overhead_us", "step_overhead_us")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,7 +61,7 @@ class Calibration:
 
 def default_steps(options: CalibrateOptions) -> tuple[list[Step], str | None]:
     """The steps for ``options`` and, when the host-overhead probe cannot run, why not."""
-    why_not = overhead_probe_available()
+    why_not = overhead_probe_available(options.framework)
     steps = plan_steps(options.topology, quick=options.quick, timeout_s=options.timeout_per_bench_s,
                        overhead_probe=why_not is None, framework=options.framework)
     return steps, why_not
@@ -165,14 +164,13 @@ def _overheads(cluster: ClusterSpec, probe: dict[str, Any] | None, missing: str 
         return cluster, {"source": f"not fitted (the probe failed: {why.splitlines()[0]}); base values kept",
                      "values": kept}
     try:
-        fit_overheads = importlib.import_module(OVERHEAD_PROBE).fit_overheads
         fields, info = fit_overheads(cluster, list(probe["ranks"]))
         fitted = dataclasses.replace(acc, **fields)
     except Exception as exc:  # noqa: BLE001 - a broken fit is recorded, like a broken benchmark
         failures["overheads"] = {"status": "failed", "error": f"fit_overheads: {type(exc).__name__}: {exc}",
                                  "wall_s": 0.0}
         return cluster, {"source": "not fitted (fit_overheads failed); base values kept", "values": kept}
-    return dataclasses.replace(cluster, accelerator=fitted), {"source": f"fitted by {OVERHEAD_PROBE}.fit_overheads",
+    return dataclasses.replace(cluster, accelerator=fitted), {"source": f"fitted by {fit_overheads.__module__}.fit_overheads",
                     "values": {f: getattr(fitted, f) for f in (*OVERHEAD_FIELDS, "elementwise_gb_per_s")}, "fit": info}
 
 

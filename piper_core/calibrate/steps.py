@@ -25,10 +25,9 @@ from piper_core.emulate.netns import EmulationError
 BENCH_TARGET = "piper_core.calibrate.bench:run"
 BENCH_VERSION = 4
 """Part of every cache key: bump it when :mod:`.bench` changes what a result means."""
-OVERHEAD_PROBE = "piper_megatron.probe"
-"""Host-overhead probe of the Megatron adapter (optional): ``probe_rank(info, settings) -> dict``
-on every rank and a pure ``fit_overheads(cluster, results) -> (fields, info)``. Imported by
-name, lazily, only when installed: the core does not depend on the adapter."""
+PROBE_TARGET = "piper_core.calibrate.probe:probe_rank"
+"""The host-overhead probe's rank side (:mod:`.probe`): it trains through the framework's trainer,
+which an adapter registers (:mod:`piper_core.trainers`); without one the probe is skipped."""
 
 Status = Literal["ok", "failed", "skipped"]
 QUICK_TIMEOUT_S, FULL_TIMEOUT_S = 120.0, 240.0
@@ -134,20 +133,16 @@ def plan_steps(topology: Topology, *, quick: bool, timeout_s: float, overhead_pr
         steps += [Step(name=f"p2p-{sc}", target=BENCH_TARGET, args=("p2p", check | {"scope": sc})) for sc in p2p_scopes]
     if overhead_probe:
         settings = {"quick": quick} | ({"framework": framework} if framework != "megatron" else {})
-        steps.append(Step(name="overheads", target=f"{OVERHEAD_PROBE}:probe_rank", args=(settings,), weight=4))
+        steps.append(Step(name="overheads", target=PROBE_TARGET, args=(settings,), weight=4))
     return steps
 
 
-def overhead_probe_available() -> str | None:
-    """None when the host-overhead probe can run here, else why not (recorded in the profile)."""
-    import importlib
+def overhead_probe_available(framework: str = "megatron") -> str | None:
+    """None when the host-overhead probe can train ``framework``'s models here, else why not
+    (recorded in the profile)."""
+    from piper_core import trainers
 
-    try:
-        module = importlib.import_module(OVERHEAD_PROBE)
-    except Exception as exc:  # noqa: BLE001 - any failure to import means: no probe, say why
-        return f"{OVERHEAD_PROBE} cannot be imported ({type(exc).__name__}: {exc})"
-    missing = [n for n in ("probe_rank", "fit_overheads") if not hasattr(module, n)]
-    return f"{OVERHEAD_PROBE} lacks {', '.join(missing)}" if missing else None
+    return trainers.unavailable(framework)
 
 
 # ---- running ---------------------------------------------------------------------------------------

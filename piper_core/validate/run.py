@@ -1,9 +1,9 @@
 """Run the validation cases and compare each with the prediction of its topology's profile.
 
 ``profiles`` maps a case's :attr:`Case.topology` (``local-2``, ``local-4``, ``emu-2x1-200mbit``) to
-the calibrated :class:`ClusterSpec` that predicts it. Training runs through
-:func:`piper_megatron.train.run` (Megatron-Core, Piper's dispatcher, local or emulated ranks), or
-:func:`piper_deepspeed.measure.run` for DeepSpeed cases (DeepSpeed-MoE, Piper's MoE layer).
+the calibrated :class:`ClusterSpec` that predicts it. Training runs through the case framework's
+registered trainer (:mod:`piper_core.trainers`: Megatron-Core with Piper's dispatcher, or DeepSpeed-MoE
+with Piper's MoE layer; local or emulated ranks).
 """
 
 from __future__ import annotations
@@ -20,14 +20,11 @@ STEPS, WARMUP = 12, 3
 
 def run_case(case: Case, cluster: ClusterSpec, *, steps: int = STEPS, warmup: int = WARMUP,
              timeout_s: float = 600.0, realtime: bool = False) -> Row:
+    from piper_core import trainers
     from piper_core.validate.instrument import TrainJob, summary
 
-    if case.framework == "deepspeed":
-        from piper_deepspeed.measure import run
-    else:
-        from piper_megatron.train import run
     job = TrainJob(model=case.model, plan=case.plan, steps=steps, warmup=warmup)
-    reports = run(job, nodes=case.nodes, inter_node_mbit=case.inter_node_mbit, timeout_s=timeout_s,
+    reports = trainers.get(case.framework).run(job, nodes=case.nodes, inter_node_mbit=case.inter_node_mbit, timeout_s=timeout_s,
                   realtime=realtime)
     return compare(case, predict(case.model, cluster, case.plan), summary(reports), warmup=warmup)
 

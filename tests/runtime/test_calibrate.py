@@ -54,6 +54,10 @@ def test_quick_calibration_writes_a_profile_predict_accepts(quick_run, capsys):
     assert acc.peak_tflops_bf16 != 0.05 and 0 < acc.gemm_efficiency <= 1  # fitted, not the base's
     assert prof.cluster.links[0].name == "intra-node" and prof.cluster.gpus_per_node == 2
     fits = prof.calibration["fits"]
+    # the host-overhead probe ran through the Megatron adapter's registered trainer and was fitted
+    assert status["overheads"] == "ok", summary["failures"]
+    assert fits["overheads"]["source"] == "fitted by piper_core.calibrate.probe.fit_overheads"
+    assert fits["overheads"]["fit"]["runs"] and fits["overheads"]["values"]["step_overhead_us"] >= 0
     for entry in (fits["gemm"]["bf16"], fits["links"]["curves"]["alltoall-all"]):
         assert entry["points"] >= 4 and entry["r2"] <= 1 and entry["max_rel_residual"] >= 0
     assert set(prof.calibration["benchmarks"]) >= CORE

@@ -21,7 +21,7 @@ KNOWN = {"layer_overhead_us": 900.0, "moe_overhead_us": 2500.0, "expert_overhead
 
 def _synthetic_probe(world: int, cluster):
     """Probe results as a machine with overheads KNOWN would give them (the model's own times)."""
-    from piper_megatron.probe import PROBES, _base, probe_label
+    from piper_core.calibrate.probe import PROBES, _base, probe_label
 
     truth = dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, **KNOWN))
     runs = []
@@ -34,8 +34,7 @@ def _synthetic_probe(world: int, cluster):
 
 
 def test_overhead_fit_recovers_the_terms_that_generated_the_runs():
-    pytest.importorskip("megatron.core", reason="piper_megatron.probe lives in the Megatron adapter")
-    from piper_megatron.probe import fit_overheads
+    from piper_core.calibrate.probe import fit_overheads
 
     cluster = load_cluster("cpu-local")
     fields, info = fit_overheads(cluster, _synthetic_probe(2, cluster))
@@ -88,7 +87,7 @@ def test_the_case_list_meets_the_issue():
 def test_topology_names_carry_the_framework_whose_overheads_are_probed():
     from piper_core.calibrate.api import parse_topology, split_framework
     from piper_core.calibrate.steps import Topology, plan_steps
-    from piper_megatron.probe import PROBES, probes_for
+    from piper_core.calibrate.probe import PROBES, probes_for
 
     assert split_framework("local-2-deepspeed") == ("local-2", "deepspeed")
     assert split_framework("emu-2x1-200mbit") == ("emu-2x1-200mbit", "megatron")

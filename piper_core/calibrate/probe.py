@@ -6,7 +6,8 @@ model. The roofline cannot see it; :class:`piper_core.specs.cluster.AcceleratorS
 overhead terms for it, and this probe fits them on the machine, as part of ``piper calibrate``:
 
 1. :func:`probe_rank` (every rank at once, so ranks share the cores as in a real job) trains small
-   Megatron-Core models through :mod:`piper_megatron.train` -- dense with 1 to 3 layers, MoE with 2
+   models through the framework's registered trainer (:mod:`piper_core.trainers`: Megatron-Core's
+   or DeepSpeed-MoE's, as the adapter installs it) -- dense with 1 to 3 layers, MoE with 2
    to 16 experts, 1 to 3 micro-batches of 1 to 4 sequences, mostly ep = 1 and twice with the experts
    spread over every rank -- timing training steps and forward-only passes, without data-parallel
    gradient reduction (one rank's own work). Their widths are those of the model family being
@@ -34,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from piper_core.calibrate.fit import quality
-from piper_core.calibrate.run import OVERHEAD_FIELDS
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
@@ -63,7 +63,9 @@ def probe_label(layers: int, experts: int | None, m: int, mbs: int, spread: bool
     return f"{'dense' if experts is None else f'moe{experts}'}-L{layers}-m{m}-mbs{mbs}" + ("-epall" if spread else "")
 
 
-FIELDS = OVERHEAD_FIELDS  # the host terms of AcceleratorSpec this probe fits
+FIELDS = ("layer_overhead_us", "moe_overhead_us", "expert_overhead_us", "backward_overhead_factor",
+          "microbatch_overhead_us", "step_overhead_us")
+"""The host terms of :class:`~piper_core.specs.cluster.AcceleratorSpec` this probe fits."""
 
 
 def probe_model(layers: int, experts: int | None) -> ModelSpec:
@@ -98,26 +100,18 @@ ATTENTION = {"megatron": "unfused", "deepspeed": "flash"}
 
 def probe_rank(info: Any, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Rank side: every probe run, timed (median seconds of training steps and forward passes).
-    ``settings["framework"]``: ``"megatron"`` (default; Megatron-Core through :mod:`piper_megatron.train`)
-    or ``"deepspeed"`` (DeepSpeed-MoE with Piper's layer through :mod:`piper_deepspeed.measure`)."""
+    ``settings["framework"]``: the registered trainer that trains them, ``"megatron"`` (default;
+    Megatron-Core) or ``"deepspeed"`` (DeepSpeed-MoE with Piper's layer)."""
     import warnings
 
     warnings.filterwarnings("ignore")
     from piper_core.validate.instrument import TrainJob
 
+    from piper_core import trainers
+
     settings = settings or {}
     framework = settings.get("framework", "megatron")
-    if framework == "deepspeed":
-        from piper_deepspeed.measure import _train as ds_train, init_deepspeed_comm
-
-        init_deepspeed_comm()
-        train = lambda job, tmp: ds_train(job)  # noqa: E731
-    else:
-        from piper_megatron.cpu import install_cpu_training_shims
-        from piper_megatron.train import _train as mg_train
-
-        install_cpu_training_shims()
-        train = lambda job, tmp: mg_train(job, info.ranks_per_node, tmp)  # noqa: E731
+    train = trainers.get(framework).probe_setup(info)
     # --quick: 3 timed training steps (of 5) and 3 forward passes per probe run instead of 5 and 5
     quick = bool(settings.get("quick", False))
     warmup = 2 if quick else 3
