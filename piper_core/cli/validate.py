@@ -1,11 +1,14 @@
-"""``piper validate [--quick] [--cases A,B] [--profiles DIR] [--json FILE] [--plot DIR]``.
+"""``piper validate [--quick | --suite NAME|FILE] [--cases A,B] [--profiles DIR] [--json FILE] [--plot DIR]``.
 
-Trains each validation case (:mod:`piper_core.validate.cases`) for a few real steps with
-Megatron-Core and Piper's dispatcher on CPU ranks (local, or on the emulated 2-node cluster),
-instrumented, and compares step time, memory and the all-to-all phases with what the calibrated
-profile of the case's topology predicts. Profiles are read from ``DIR/<topology>.yaml``; a missing
-one is calibrated first (``piper calibrate``) and written there, so a second run reuses it.
-Exit status 1 when an acceptance limit is missed (MAPE, worst case, memory, scheduler's pick).
+Trains each case of a pre-registered validation suite (:mod:`piper_core.validate.suite`; built in:
+``full``, and ``quick`` for ``--quick``) for a few real steps with Megatron-Core and Piper's
+dispatcher, or DeepSpeed-MoE with Piper's layer, on CPU ranks (local, or on the emulated 2-node
+cluster), instrumented, and compares step time, memory and the all-to-all phases with what the
+calibrated profile of the case's topology predicts. Every run counts in the headline; the suite's
+subsets are shown beside it. Profiles are read from ``DIR/<topology>.yaml``; a missing one is
+calibrated first (``piper calibrate``) and written there, so a second run reuses it. The JSON
+records the commit, the suite (path, sha256) and each profile (path, sha256). Exit status 1 when the
+headline misses an acceptance limit (MAPE, worst case, memory, scheduler's pick).
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ DEFAULT_PROFILES = Path(".piper/profiles")
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="measure real training steps on CPU ranks against the model's prediction",
                        description=__doc__.split("\n\n")[1])
-    p.add_argument("--quick", action="store_true", help="three plans on 2 local ranks (the default test run's check)")
-    p.add_argument("--cases", help="comma-separated case names (default: all, or the quick three)")
+    p.add_argument("--quick", action="store_true", help="the quick suite: three Megatron plans and one DeepSpeed plan "
+                   "on 2 local ranks (the default test run's check)")
+    p.add_argument("--suite", help="a built-in suite name (full, quick) or a suite YAML (default full; --quick: quick)")
+    p.add_argument("--cases", help="comma-separated case names of the suite (default: all of them)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--profiles", type=Path, default=DEFAULT_PROFILES,
                    help=f"directory of calibrated profiles, one per topology (default {DEFAULT_PROFILES})")
@@ -55,12 +60,13 @@ def profiles_for(topologies: list[str], directory: Path, *, recalibrate: bool, q
 def run(args: argparse.Namespace) -> int:
     from piper_core.cli.progress import Progress
     from piper_core.export import plan_label
-    from piper_core.validate.cases import select
-    from piper_core.validate.compare import row_json, verdict
-    from piper_core.validate.report import scatter, table
+    from piper_core.validate.cases import select, suite_for
+    from piper_core.validate.compare import passed, row_json, verdict
+    from piper_core.validate.report import provenance, scatter, table
     from piper_core.validate.run import STEPS, WARMUP, run_cases
 
-    cases = select(args.cases.split(",") if args.cases else None, quick=args.quick)
+    suite = suite_for(args.suite, quick=args.quick)
+    cases = select(args.cases.split(",") if args.cases else None, suite=suite)
     if args.list:
         for c in cases:
             print(f"{c.name:<20} {c.topology:<18} {c.model.name:<18} {plan_label(c.plan, gbs=True)}")
@@ -82,15 +88,13 @@ def run(args: argparse.Namespace) -> int:
                           progress=lambda i, n, done=len(rows): progress(done + i, len(cases)))
     order = {c.name: i for i, c in enumerate(cases)}
     rows.sort(key=lambda r: order[r.case.name])
-    v = verdict(rows)
+    v = verdict(rows, suite.subsets)
     print(table(rows, v))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"rows": [row_json(r) for r in rows], "verdict": v,
-                                         "profiles": {t: str(args.profiles / f"{t}.yaml") for t in topologies}},
-                                        indent=1))
+        record = provenance(suite, {t: args.profiles / f"{t}.yaml" for t in topologies})
+        args.json.write_text(json.dumps(record | {"rows": [row_json(r) for r in rows], "verdict": v}, indent=1))
         print(f"wrote {args.json}")
     if args.plot:
         print(f"wrote {scatter(args.plot / 'validation_scatter.png', rows, v)}")
-    ok = v["step_mape_ok"] and v["worst_step_ok"] and v["memory_ok"] and v["picks_ok"]
-    return 0 if ok else 1
+    return 0 if passed(v) else 1

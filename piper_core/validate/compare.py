@@ -5,7 +5,9 @@ per pipeline stage, parameter bytes plus the peak of activation storages held fo
 the model's weights plus activations of that stage; the forward dispatch / expert / combine times of
 the MoE layers (rank 0, per step) against the model's exposed all-to-all and expert compute, for
 reading only (the acceptance is on the step and on memory). Across cases: MAPE, the worst case, and
-per group whether the plan with the least predicted step is the measured fastest or within 5 % of it.
+per group whether the plan with the least predicted step is the measured fastest or within 5 % of it;
+over every case (the headline, which decides pass or fail), and again over each subset the suite
+registered (shown beside it, never instead).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from piper_core.resource.predict import Prediction
 from piper_core.timing.layer import layer_cost, shape_of
-from piper_core.validate.cases import Case
+from piper_core.validate.suite import Case, Subset
 
 STEP_MAPE_LIMIT, STEP_WORST_LIMIT, MEMORY_LIMIT, PICK_LIMIT = 0.10, 0.20, 0.05, 0.05
 
@@ -63,10 +65,9 @@ def compare(case: Case, pred: Prediction, summary: dict[str, Any], *, warmup: in
                phases=_phases(case, pred, summary["moe_phases_ms_per_step"]), losses=tuple(summary["losses"]))
 
 
-def verdict(all_rows: list[Row]) -> dict[str, Any]:
-    """MAPE, worst step error, worst memory error, the scheduler's pick per group; pass/fail each.
-    Cases marked ``excluded`` are left out of every figure (and listed with the reason)."""
-    rows = [r for r in all_rows if r.case.excluded is None]
+def figures(rows: list[Row]) -> dict[str, Any]:
+    """MAPE, worst step error, worst memory error and the scheduler's pick per group of ``rows``,
+    each with its pass/fail against the limits."""
     errors = [abs(r.step_error) for r in rows]
     mape = sum(errors) / len(errors)
     worst = max(rows, key=lambda r: abs(r.step_error))
@@ -85,16 +86,30 @@ def verdict(all_rows: list[Row]) -> dict[str, Any]:
                     "ok": slower <= PICK_LIMIT}
     return {
         "cases": len(rows),
-        "excluded": {r.case.name: r.case.excluded for r in all_rows if r.case.excluded is not None},
         "step_mape": round(mape, 4), "step_mape_ok": mape <= STEP_MAPE_LIMIT,
         "worst_step_case": worst.case.name, "worst_step_error": round(worst.step_error, 4),
         "worst_step_ok": abs(worst.step_error) <= STEP_WORST_LIMIT,
         "worst_memory_case": mem_worst.case.name, "worst_memory_error": round(mem_worst.memory_error, 4),
         "memory_ok": abs(mem_worst.memory_error) <= MEMORY_LIMIT,
         "picks": picks, "picks_ok": all(p["ok"] for p in picks.values()),
-        "limits": {"step_mape": STEP_MAPE_LIMIT, "worst_step": STEP_WORST_LIMIT, "memory": MEMORY_LIMIT,
-                   "pick": PICK_LIMIT},
     }
+
+
+def verdict(rows: list[Row], subsets: tuple[Subset, ...] = ()) -> dict[str, Any]:
+    """The headline :func:`figures` over every row (pass or fail), and each registered subset's
+    figures beside it (``subsets``: name -> why, its cases and its figures; none decides the verdict)."""
+    beside = {}
+    for sub in subsets:
+        members = [r for r in rows if sub.matches(r.case)]
+        if members:
+            beside[sub.name] = {"why": sub.why, "case_names": [r.case.name for r in members]} | figures(members)
+    return figures(rows) | {"subsets": beside, "limits": {"step_mape": STEP_MAPE_LIMIT, "worst_step": STEP_WORST_LIMIT,
+                                                           "memory": MEMORY_LIMIT, "pick": PICK_LIMIT}}
+
+
+def passed(v: dict[str, Any]) -> bool:
+    """Whether the headline meets every limit."""
+    return v["step_mape_ok"] and v["worst_step_ok"] and v["memory_ok"] and v["picks_ok"]
 
 
 def row_json(r: Row) -> dict[str, Any]:
@@ -107,4 +122,4 @@ def row_json(r: Row) -> dict[str, Any]:
                        "error": round(r.step_error, 4)},
             "memory_bytes": {"measured": list(r.measured_memory), "predicted": list(r.predicted_memory),
                              "error": round(r.memory_error, 4)},
-            "phases_ms_per_step": r.phases, "losses": list(r.losses), "excluded": r.case.excluded}
+            "phases_ms_per_step": r.phases, "losses": list(r.losses)}

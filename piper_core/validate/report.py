@@ -1,13 +1,23 @@
-"""The validation table, its JSON, and the predicted-vs-measured scatter plot."""
+"""The validation table, its JSON's provenance, and the predicted-vs-measured scatter plot.
+
+``python -m piper_core.validate.report RESULTS.json`` prints the table and verdict of a recorded run
+again (its rows, judged by this version's rule: every run in the headline, the suite's subsets beside).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from piper_core.export import plan_label
-from piper_core.validate.compare import Row
+from piper_core.validate.compare import Row, verdict
+from piper_core.validate.suite import Suite, load_suite
 
 
 def _pct(x: float) -> str:
@@ -20,8 +30,7 @@ def table(rows: Sequence[Row], verdict: dict[str, Any]) -> str:
     lines = [head, "-" * len(head)]
     for r in rows:
         mem = f"{max(r.measured_memory) / 2**20:.1f}/{max(r.predicted_memory) / 2**20:.1f}"
-        name = r.case.name + ("*" if r.case.excluded else "")
-        lines.append(f"{name:<20} {r.case.topology:<16} {plan_label(r.case.plan, gbs=True):<42} "
+        lines.append(f"{r.case.name:<20} {r.case.topology:<16} {plan_label(r.case.plan, gbs=True):<42} "
                      f"{r.measured_step_s:>10.4f} {r.predicted_step_s:>11.4f} {_pct(r.step_error):>7} "
                      f"{mem:>18} {_pct(r.memory_error):>7}")
     v, lim = verdict, verdict["limits"]
@@ -32,14 +41,16 @@ def table(rows: Sequence[Row], verdict: dict[str, Any]) -> str:
               f"(limit {100 * lim['worst_step']:.0f}%): {ok[v['worst_step_ok']]}",
               f"worst parameter+activation memory error {_pct(v['worst_memory_error'])} on {v['worst_memory_case']} "
               f"(limit {100 * lim['memory']:.0f}%): {ok[v['memory_ok']]}"]
-    reasons: dict[str, list[str]] = {}
-    for name, why in v["excluded"].items():
-        reasons.setdefault(why, []).append(name)
-    for why, names in reasons.items():
-        lines.append(f"* {', '.join(names)}: measured, not in the figures above: {why}")
     for g, p in v["picks"].items():
         lines.append(f"scheduler's pick in {g}: {p['pick']} (measured fastest {p['measured_fastest']}; pick slower by "
                      f"{100 * p['pick_slower_by']:.1f}%, limit {100 * lim['pick']:.0f}%): {ok[p['ok']]}")
+    if v["subsets"]:
+        lines += ["", f"beside the headline (every one of the {v['cases']} runs above), never instead of it: "
+                      "the subsets the suite registered"]
+    for name, sub in v["subsets"].items():
+        lines.append(f"  {name} ({sub['cases']} runs): step MAPE {100 * sub['step_mape']:.1f}%, worst "
+                     f"{_pct(sub['worst_step_error'])} on {sub['worst_step_case']}, memory worst "
+                     f"{_pct(sub['worst_memory_error'])} -- {sub['why']}")
     return "\n".join(lines)
 
 
@@ -55,20 +66,72 @@ def scatter(path: Path, rows: Sequence[Row], verdict: dict[str, Any]) -> Path:
     ax.plot([0, hi], [0, hi], color="black", lw=1, label="predicted = measured")
     ax.fill_between([0, hi], [0, 0.9 * hi], [0, 1.1 * hi], color="#7fb3e6", alpha=0.3, label="+-10 %")
     for r in rows:
-        if r.case.excluded:  # measured and shown, not in the figures
-            ax.scatter(r.measured_step_s, r.predicted_step_s, marker="x", color="grey", s=42, zorder=3)
-        else:
-            marker = "s" if r.case.nodes > 1 else ("^" if r.case.plan.gpus == 4 else "o")
-            ax.scatter(r.measured_step_s, r.predicted_step_s, marker=marker, s=42, zorder=3)
-        ax.annotate(r.case.name + ("*" if r.case.excluded else ""), (r.measured_step_s, r.predicted_step_s),
+        marker = "s" if r.case.nodes > 1 else ("^" if r.case.ranks_per_node > 2 else "o")
+        color = "tab:orange" if r.case.framework == "deepspeed" else "tab:blue"
+        ax.scatter(r.measured_step_s, r.predicted_step_s, marker=marker, color=color, s=42, zorder=3)
+        ax.annotate(r.case.name, (r.measured_step_s, r.predicted_step_s),
                     fontsize=7, xytext=(4, 3), textcoords="offset points")
     ax.set_xlim(0, hi)
     ax.set_ylim(0, hi)
     ax.set_xlabel("measured step time (s)")
     ax.set_ylabel("predicted step time (s)")
-    ax.set_title(f"piper validate: {len(rows)} plans, step-time MAPE {100 * verdict['step_mape']:.1f}%\n"
-                 "o 2 local ranks, ^ 4 local ranks, s emulated 2 nodes, x excluded (*)", fontsize=9)
+    ax.set_title(f"piper validate: {len(rows)} plans (every run), step-time MAPE {100 * verdict['step_mape']:.1f}%\n"
+                 "o 2 local ranks, ^ 4 local ranks, s emulated 2 nodes; orange: DeepSpeed-MoE", fontsize=9)
     ax.legend(loc="upper left", fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     return path
+
+
+def _commit() -> dict[str, Any]:
+    """The checkout's commit and whether files differ from it (None outside a git checkout)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True,
+                               text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    if head.returncode:
+        return {"commit": None, "dirty": None}
+    return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+
+
+def provenance(suite: Suite, profiles: Mapping[str, Path]) -> dict[str, Any]:
+    """What a results file was produced from: the commit, the suite and each topology's profile."""
+    return {"source": _commit(), "suite": suite.provenance(),
+            "profiles": {t: {"path": str(p), "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+                         for t, p in profiles.items()}}
+
+
+def rows_from_json(data: dict[str, Any]) -> tuple[list[Row], Suite]:
+    """The rows of a recorded results file, with their cases from the suite it names (``full`` for
+    files written before suites were recorded)."""
+    suite = load_suite(data.get("suite", {}).get("path") or "full")
+    known = {c.name: c for c in suite.cases}
+    rows = []
+    for r in data["rows"]:
+        if r["case"] not in known:
+            raise KeyError(f"{r['case']!r} is not a case of the suite {suite.name!r} ({suite.path})")
+        rows.append(Row(case=known[r["case"]], measured_step_s=r["step_s"]["measured"],
+                        predicted_step_s=r["step_s"]["predicted"], measured_memory=tuple(r["memory_bytes"]["measured"]),
+                        predicted_memory=tuple(r["memory_bytes"]["predicted"]), phases=r.get("phases_ms_per_step", {}),
+                        losses=tuple(r.get("losses", ()))))
+    return rows, suite
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m piper_core.validate.report", description=__doc__.split("\n\n")[1])
+    p.add_argument("results", type=Path, help="a results JSON written by piper validate --json")
+    p.add_argument("--plot", type=Path, metavar="DIR", help="also write DIR/validation_scatter.png")
+    a = p.parse_args(argv)
+    rows, suite = rows_from_json(json.loads(a.results.read_text()))
+    v = verdict(rows, suite.subsets)
+    print(table(rows, v))
+    if a.plot:
+        print(f"wrote {scatter(a.plot / 'validation_scatter.png', rows, v)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

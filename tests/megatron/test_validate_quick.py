@@ -2,10 +2,10 @@
 reality turns CI red.
 
 A quick calibration of 2 local ranks (`piper calibrate --quick`, the host-overhead probe included),
-then three alternative plans of one job trained for real with Megatron-Core and Piper's dispatcher
-(expert parallel with micro-batch 4, data parallel, pipeline parallel); and one plan through
-DeepSpeed-MoE with Piper's layer, from its own quick calibration (shown in the table, not counted in
-the figures: see piper_core.validate.cases.DEEPSPEED), checked for memory and, loosely, for time. As root the ranks run under
+then the pre-registered quick suite (piper_core/validate/suites/quick.yaml): three alternative plans of
+one job trained for real with Megatron-Core and Piper's dispatcher (expert parallel with micro-batch 4,
+data parallel, pipeline parallel), and one plan through DeepSpeed-MoE with Piper's layer, from its own
+quick calibration. Every run counts in the figures the limits below judge. As root the ranks run under
 SCHED_FIFO (``--realtime``), so other work on the machine does not take their cores.
 
 The limits here are wider than the acceptance limits `piper validate` prints (and `make validate`
@@ -84,12 +84,14 @@ def test_quick_validation_agrees_with_reality(tmp_path):
         _, table, result = _validate(tmp_path / "profiles-2", tmp_path / "second.json")
         tables.append(table)
         misses = _misses(result["verdict"])
-    assert result["verdict"]["cases"] == 3 and len(result["verdict"]["picks"]) == 1
+    # every run of the suite is counted: 3 Megatron plans and the DeepSpeed one
+    assert result["verdict"]["cases"] == 4 and len(result["verdict"]["picks"]) == 1
+    assert result["suite"]["name"] == "quick" and len(result["suite"]["sha256"]) == 64
+    assert set(result["profiles"]) == {"local-2", "local-2-deepspeed"}
     assert not misses, "; ".join(misses) + "\n" + "\n\n".join(tables)
     assert (tmp_path / "profiles" / "local-2.yaml").is_file()
-    # the DeepSpeed path (shown, not counted): trained through DeepSpeed-MoE with Piper's layer,
-    # predicted from its own DeepSpeed-probed profile; memory as tight as Megatron's, the step loosely
+    # the DeepSpeed path: trained through DeepSpeed-MoE with Piper's layer, predicted from its own
+    # DeepSpeed-probed profile
     (ds,) = [r for r in result["rows"] if r["framework"] == "deepspeed"]
-    assert ds["topology"] == "local-2-deepspeed" and ds["excluded"], ds
-    assert abs(ds["memory_bytes"]["error"]) <= MEMORY and abs(ds["step_s"]["error"]) <= 0.5, "\n".join(tables)
+    assert ds["topology"] == "local-2-deepspeed", ds
     assert len(ds["losses"]) == 12 and ds["losses"][-1] < ds["losses"][0]

@@ -1,0 +1,122 @@
+"""Pre-registered validation suites: the format, its errors, the headline over every run with the
+registered subsets beside it, and the provenance a results file records."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from piper_core.errors import SpecError
+from piper_core.validate.compare import Row, passed, verdict
+from piper_core.validate.report import main as report_main
+from piper_core.validate.report import provenance, rows_from_json, table
+from piper_core.validate.suite import SUITES, load_suite
+
+ROOT = Path(__file__).resolve().parents[2]
+GOOD = """suite: mine
+models:
+  m: {name: m, num_layers: 2, hidden_size: 64, num_attention_heads: 4, ffn_hidden_size: 128, num_experts: 4,
+      moe_ffn_hidden_size: 128, moe_router_topk: 1, vocab_size: 256, seq_length: 64}
+plan_defaults: {distributed_optimizer: false}
+cases:
+  - {name: a, group: g, model: m, gpus: 2, plan: {ep: 2, micro_batch_size: 1, global_batch_size: 4}}
+  - {name: b, group: g, model: m, model_overrides: {num_experts: 8}, gpus: 2, nodes: 2, inter_node_mbit: 100,
+     plan: {ep: 1, micro_batch_size: 1, global_batch_size: 4}}
+subsets:
+  - {name: local, where: {nodes: [1]}, why: one node only}
+"""
+
+
+def _write(tmp_path, text: str) -> Path:
+    path = tmp_path / "suite.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_suite_loads_with_its_cases_models_and_subsets(tmp_path):
+    suite = load_suite(_write(tmp_path, GOOD))
+    a, b = suite.cases
+    assert suite.name == "mine" and len(suite.sha256) == 64
+    assert (a.topology, b.topology) == ("local-2", "emu-2x1-100mbit")
+    assert b.model.num_experts == 8 and b.model.name == "m-experts8" and a.model.num_experts == 4
+    assert a.plan.distributed_optimizer is False and a.plan.ep == 2
+    assert [s.name for s in suite.subsets] == ["local"] and suite.subsets[0].matches(a)
+    assert not suite.subsets[0].matches(b)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (("ep: 2, micro_batch_size: 1", "ep: 2, micro_batch_sz: 1"),
+     r"case 'a' plan.micro_batch_sz=1: is not a ParallelPlan field; did you mean 'micro_batch_size'"),
+    (("model: m, gpus: 2, plan: {ep: 2", "model: x, gpus: 2, plan: {ep: 2"), r"case 'a' model='x': is not a model of this suite"),
+    (("nodes: 2, inter_node_mbit: 100,", "nodes: 2,"), r"nodes/inter_node_mbit='2/None'"),
+    (("why: one node only", "why: ''"), r"subsets\[0\].why='': is required"),
+    (("where: {nodes: [1]}", "where: {node: [1]}"), r"subsets\[0\].where.node=\[1\]: is not a suite key; did you mean 'nodes'"),
+    (("name: b,", "name: a,"), r"cases.name='a': names a second case"),
+    (("suite: mine", "suite: mine\nexcluded: [a]"), r"excluded=\['a'\]: is not a suite key"),
+    (("{num_experts: 8}", "{num_expert: 8}"), r"model_overrides.num_expert=8"),
+])
+def test_bad_suites_are_refused_naming_the_key_value_and_fix(tmp_path, change, message):
+    old, new = change
+    assert old in GOOD
+    with pytest.raises(SpecError, match=message):
+        load_suite(_write(tmp_path, GOOD.replace(old, new, 1)))
+
+
+def test_unknown_suite_names_say_which_exist():
+    with pytest.raises(SpecError, match=r"--suite='nope': is not a built-in suite; choose from full, quick"):
+        load_suite("nope")
+
+
+def test_the_built_in_suites_count_every_run():
+    """No case carries an exclusion, and every subset says why it is shown."""
+    for path in sorted(SUITES.glob("*.yaml")):
+        suite = load_suite(path)
+        assert suite.cases, path
+        assert all(s.why and s.where for s in suite.subsets), path
+        assert "excluded" not in path.read_text().split("subsets:")[0], path
+
+
+def _row(case, measured: float, predicted: float) -> Row:
+    return Row(case=case, measured_step_s=measured, predicted_step_s=predicted, measured_memory=(100,),
+               predicted_memory=(101,), phases={}, losses=())
+
+
+def test_the_headline_counts_every_run_and_subsets_stand_beside_it(tmp_path):
+    """A subset that meets the limits does not rescue a headline that misses them."""
+    suite = load_suite(_write(tmp_path, GOOD))
+    a, b = suite.cases
+    rows = [_row(a, 1.0, 1.02), _row(b, 1.0, 1.5)]
+    v = verdict(rows, suite.subsets)
+    assert v["cases"] == 2 and v["step_mape"] == pytest.approx(0.26) and not passed(v)
+    local = v["subsets"]["local"]
+    assert local["case_names"] == ["a"] and local["step_mape"] == pytest.approx(0.02) and local["step_mape_ok"]
+    text = table(rows, v)
+    assert "step time MAPE 26.0% (limit 10%): FAIL" in text
+    assert "beside the headline (every one of the 2 runs above), never instead of it" in text
+    assert "local (1 runs): step MAPE 2.0%" in text
+
+
+def test_a_results_file_records_commit_suite_and_profiles_and_reads_back(tmp_path, capsys):
+    suite = load_suite("quick")
+    profile = tmp_path / "local-2.yaml"
+    profile.write_text("x: 1\n")
+    record = provenance(suite, {"local-2": profile})
+    assert record["suite"] == {"name": "quick", "path": str(SUITES / "quick.yaml"), "sha256": suite.sha256}
+    assert record["profiles"]["local-2"] == {"path": str(profile), "sha256": hashlib.sha256(b"x: 1\n").hexdigest()}
+    assert len(record["source"]["commit"] or "") == 40 and isinstance(record["source"]["dirty"], bool)
+    # the recorded validation results judged again under this rule: every one of the 16 runs
+    rows, full = rows_from_json(json.loads((ROOT / "docs/validation/results.json").read_text()))
+    assert full.name == "full" and len(rows) == 16
+    assert report_main([str(ROOT / "docs/validation/results.json")]) == 0
+    out = capsys.readouterr().out
+    assert "step time MAPE 15.1% (limit 10%): FAIL" in out and "Megatron-Core, one rank per core (10 runs): step MAPE 7.2%" in out
+
+
+def test_a_row_of_a_case_the_suite_lacks_is_refused():
+    data = {"rows": [{"case": "nope", "step_s": {"measured": 1, "predicted": 1},
+                      "memory_bytes": {"measured": [1], "predicted": [1]}}]}
+    with pytest.raises(KeyError, match="'nope' is not a case of the suite 'full'"):
+        rows_from_json(data)
