@@ -29,7 +29,7 @@ from typing import Any
 from piper_core.errors import SpecError
 from piper_core.specs.yamlio import to_dict
 from piper_core.trainers import Trainer
-from piper_core.validate.instrument import ActivationPeak, TrainJob, median
+from piper_core.validate.instrument import ActivationPeak, TrainJob, median, tensor_ledger
 
 TIMEOUT_S = 600.0
 
@@ -81,11 +81,13 @@ def _train(job: TrainJob) -> dict[str, Any]:
     # the host-overhead probe trains many jobs in one process: destroy each job's groups (Piper's
     # all-to-all groups, DeepSpeed's expert and expert-data groups) through deepspeed.comm, which
     # also drops DeepSpeed's cached references, so the next job builds its own
-    with released_groups(destroy=deepspeed.comm.destroy_process_group):
-        return _train_job(job)
+    # a memory job runs whole (model, engine, optimizer) under the tensor ledger
+    with released_groups(destroy=deepspeed.comm.destroy_process_group), \
+            (tensor_ledger() if job.memory else contextlib.nullcontext()) as tensors:
+        return _train_job(job, tensors)
 
 
-def _train_job(job: TrainJob) -> dict[str, Any]:
+def _train_job(job: TrainJob, tensors: Any = None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -120,6 +122,7 @@ def _train_job(job: TrainJob) -> dict[str, Any]:
         steps.append(time.perf_counter() - start)
         peak = max(peak, ledger.peak)
         losses.append(total / m)
+    state = tensors.now if tensors is not None else None  # after the last step: no activations left
     forward = []
     for _ in range(job.forward_steps):
         dist.barrier()
@@ -134,7 +137,8 @@ def _train_job(job: TrainJob) -> dict[str, Any]:
             "step_median_s": median(steps[job.warmup:]), "losses": losses, "forward_s": forward,
             "params": sum(p.numel() for p in params), "param_bytes": sum(p.numel() * p.element_size() for p in params),
             "activation_peak_bytes": peak, "moe_phases_ms_per_step": {},
-            "moe_classes": sorted({type(x).__name__ for x in engine.moe_layers})}
+            "moe_classes": sorted({type(x).__name__ for x in engine.moe_layers}),
+            **({} if tensors is None else {"peak_tensor_bytes": tensors.peak, "state_tensor_bytes": state})}
 
 
 def rank_main(info: Any, job_json: dict[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ dict. ``piper validate`` and ``make run`` build on it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from piper_core.trainers import Trainer
-from piper_core.validate.instrument import ActivationPeak, TrainJob, median, summary
+from piper_core.validate.instrument import ActivationPeak, TrainJob, median, summary, tensor_ledger
 
 __all__ = ["ActivationPeak", "TrainJob", "rank_main", "run", "summary"]
 
@@ -79,11 +80,13 @@ def _config_overrides() -> dict[str, Any]:
 def _train(job: TrainJob, ranks_per_node: int, trace_dir: Path) -> dict[str, Any]:
     from piper_core.runtime.groups import released_groups
 
-    with released_groups():  # the probe trains many jobs in one process: no leaked gloo groups
-        return _train_job(job, ranks_per_node, trace_dir)
+    # the probe trains many jobs in one process: no leaked gloo groups; a memory job runs whole
+    # (model, DDP buffers and optimizer included) under the tensor ledger
+    with released_groups(), (tensor_ledger() if job.memory else contextlib.nullcontext()) as tensors:
+        return _train_job(job, ranks_per_node, trace_dir, tensors)
 
 
-def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path) -> dict[str, Any]:
+def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path, tensors: Any = None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
@@ -159,6 +162,7 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path) -> dict[str,
             if tracer is not None and step == job.warmup - 1:
                 tracer.flush()
                 (trace_dir / f"trace.rank{rank}.jsonl").write_text("")  # phases of the timed steps only
+        state = tensors.now if tensors is not None else None  # after the last step: no activations left
         if tracer is not None:
             tracer.close()
         phases = _phases(trace_dir / f"trace.rank{rank}.jsonl")
@@ -179,7 +183,8 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path) -> dict[str,
                 "step_s": steps, "step_median_s": median(steps[job.warmup:]), "losses": losses,
                 "forward_s": forward,
                 "params": params, "param_bytes": sum(p.numel() * p.element_size() for p in gpt.parameters()),
-                "activation_peak_bytes": peak, "moe_phases_ms_per_step": per_step}
+                "activation_peak_bytes": peak, "moe_phases_ms_per_step": per_step,
+                **({} if tensors is None else {"peak_tensor_bytes": tensors.peak, "state_tensor_bytes": state})}
     finally:
         if patches is not None:
             patches.restore()

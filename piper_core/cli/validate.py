@@ -29,6 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--suite", help="a built-in suite name (full, quick) or a suite YAML (default full; --quick: quick)")
     p.add_argument("--cases", help="comma-separated case names of the suite (default: all of them)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--no-peak", action="store_true", help="skip each case's memory job (peak tensor bytes per rank)")
+    p.add_argument("--peak-only", action="store_true",
+                   help="only the memory jobs: peak tensor bytes per rank against the predicted peak (the memory "
+                        "model needs no calibration: predicted from the cpu-local preset, no profile needed)")
     p.add_argument("--profiles", type=Path, default=DEFAULT_PROFILES,
                    help=f"directory of calibrated profiles, one per topology (default {DEFAULT_PROFILES})")
     p.add_argument("--recalibrate", action="store_true", help="calibrate again, measuring everything afresh (no cached benchmarks), even where a profile exists")
@@ -71,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         for c in cases:
             print(f"{c.name:<20} {c.topology:<18} {c.model.name:<18} {plan_label(c.plan, gbs=True)}")
         return 0
+    if args.peak_only:
+        return _peak_only(args, suite, cases)
     if args.realtime:
         from piper_core.emulate.launch import check_realtime
         check_realtime()  # before any calibration or run
@@ -85,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
                                 realtime=args.realtime)
         mine = [c for c in cases if c.topology == topo]
         rows += run_cases(mine, profiles, steps=steps, warmup=min(WARMUP, steps - 1), realtime=args.realtime,
+                          peak=not args.no_peak,
                           progress=lambda i, n, done=len(rows): progress(done + i, len(cases)))
     order = {c.name: i for i, c in enumerate(cases)}
     rows.sort(key=lambda r: order[r.case.name])
@@ -98,3 +105,31 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"wrote {scatter(args.plot / 'validation_scatter.png', rows, v)}")
     return 0 if passed(v) else 1
+
+
+def _peak_only(args: argparse.Namespace, suite: object, cases: tuple) -> int:
+    """``--peak-only``: each case's memory job, against the model's peak (cpu-local preset)."""
+    from piper_core.cli.progress import Progress
+    from piper_core.presets import load_cluster
+    from piper_core.resource.predict import predict
+    from piper_core.validate.compare import MEMORY_LIMIT
+    from piper_core.validate.peak import measure_peak, peak_figures, peak_json, peak_lines
+    from piper_core.validate.report import provenance
+
+    cluster = load_cluster("cpu-local")
+    progress = Progress("piper validate --peak-only")
+    rows = []
+    for i, case in enumerate(cases):
+        progress(i, len(cases))
+        rows.append(measure_peak(case, predict(case.model, cluster, case.plan)))
+    progress(len(cases), len(cases))
+    figures = peak_figures(rows, MEMORY_LIMIT)
+    print("\n".join(peak_lines(rows, figures, MEMORY_LIMIT)))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        record = provenance(suite, {}) | {"cluster": cluster.name,
+                                          "peak_rows": [{"case": r.case.name} | peak_json(r) for r in rows],
+                                          "peak": figures | {"limit": MEMORY_LIMIT}}
+        args.json.write_text(json.dumps(record, indent=1))
+        print(f"wrote {args.json}")
+    return 0 if figures["peak_ok"] else 1

@@ -18,6 +18,7 @@ from typing import Any
 
 from piper_core.resource.predict import Prediction
 from piper_core.timing.layer import layer_cost, shape_of
+from piper_core.validate.peak import PeakRow, peak_figures, peak_json
 from piper_core.validate.suite import Case, Subset
 
 STEP_MAPE_LIMIT, STEP_WORST_LIMIT, MEMORY_LIMIT, PICK_LIMIT = 0.10, 0.20, 0.05, 0.05
@@ -32,6 +33,7 @@ class Row:
     predicted_memory: tuple[int, ...]
     phases: dict[str, float]  # measured/predicted ms per step, rank 0
     losses: tuple[float, ...]
+    peak: PeakRow | None = None  # peak tensor bytes per stage (piper_core.validate.peak), when measured
 
     @property
     def step_error(self) -> float:
@@ -92,7 +94,17 @@ def figures(rows: list[Row]) -> dict[str, Any]:
         "worst_memory_case": mem_worst.case.name, "worst_memory_error": round(mem_worst.memory_error, 4),
         "memory_ok": abs(mem_worst.memory_error) <= MEMORY_LIMIT,
         "picks": picks, "picks_ok": all(p["ok"] for p in picks.values()),
+        **_peaks(rows),
     }
+
+
+def _peaks(rows: list[Row]) -> dict[str, Any]:
+    """The peak-memory figures over the rows whose peak was measured (a run without its peak is
+    named, so a partial figure is never read as a whole one)."""
+    measured = [r.peak for r in rows if r.peak is not None]
+    if not measured:
+        return {}
+    return peak_figures(measured, MEMORY_LIMIT) | {"peak_not_measured": [r.case.name for r in rows if r.peak is None]}
 
 
 def verdict(rows: list[Row], subsets: tuple[Subset, ...] = ()) -> dict[str, Any]:
@@ -108,8 +120,8 @@ def verdict(rows: list[Row], subsets: tuple[Subset, ...] = ()) -> dict[str, Any]
 
 
 def passed(v: dict[str, Any]) -> bool:
-    """Whether the headline meets every limit."""
-    return v["step_mape_ok"] and v["worst_step_ok"] and v["memory_ok"] and v["picks_ok"]
+    """Whether the headline meets every limit (the peak's too, where it was measured)."""
+    return v["step_mape_ok"] and v["worst_step_ok"] and v["memory_ok"] and v["picks_ok"] and v.get("peak_ok", True)
 
 
 def row_json(r: Row) -> dict[str, Any]:
@@ -122,4 +134,5 @@ def row_json(r: Row) -> dict[str, Any]:
                        "error": round(r.step_error, 4)},
             "memory_bytes": {"measured": list(r.measured_memory), "predicted": list(r.predicted_memory),
                              "error": round(r.memory_error, 4)},
-            "phases_ms_per_step": r.phases, "losses": list(r.losses)}
+            "phases_ms_per_step": r.phases, "losses": list(r.losses),
+            "peak_tensor_bytes": None if r.peak is None else peak_json(r.peak)}

@@ -32,6 +32,7 @@ class TrainJob:
     forward_steps: int = 0  # extra forward-only passes timed after training (the host-overhead probe)
     sync_grads: bool = True  # False: no data-parallel gradient reduction (the probe times one rank's work)
     tune: bool = False  # Piper's chunk count measured per MoE layer at run time (--piper-chunks tune)
+    memory: bool = False  # the whole job under a TensorLedger (peak tensor bytes); its step times are not timings
 
     def __post_init__(self) -> None:
         from piper_core.errors import SpecError
@@ -51,14 +52,14 @@ class TrainJob:
         return {"model": to_dict(self.model), "plan": to_dict(self.plan), "steps": self.steps,
                 "warmup": self.warmup, "stock": self.stock, "seed": self.seed, "lr": self.lr,
                 "forward_steps": self.forward_steps, "sync_grads": self.sync_grads,
-                "tune": self.tune}
+                "tune": self.tune, "memory": self.memory}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainJob:
         return cls(model=from_dict(ModelSpec, d["model"], where="job"), plan=from_dict(ParallelPlan, d["plan"], where="job"),
                    steps=d["steps"], warmup=d["warmup"], stock=d["stock"], seed=d["seed"], lr=d["lr"],
                    forward_steps=d.get("forward_steps", 0), sync_grads=d.get("sync_grads", True),
-                   tune=d.get("tune", False))
+                   tune=d.get("tune", False), memory=d.get("memory", False))
 
 
 class _Box:
@@ -104,6 +105,58 @@ class ActivationPeak:
         return box.tensor if isinstance(box, _Box) else box
 
 
+def tensor_ledger() -> Any:
+    """A :class:`TensorLedger` (a ``TorchDispatchMode``; torch imported here, not at module level)."""
+    return _ledger_class()()
+
+
+_LEDGER: list[type] = []
+
+
+def _ledger_class() -> type:
+    if _LEDGER:
+        return _LEDGER[0]
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class TensorLedger(TorchDispatchMode):
+        """Every tensor storage any operator creates while the mode is on, counted once from its
+        creation until it is freed (a weak finalizer on the storage): ``now`` live bytes and their
+        ``peak``. What a device allocator's high-water mark counts for tensors -- parameters,
+        gradients and their buffers, optimizer state, activations, communication buffers and
+        temporaries -- except scratch space an operator allocates and frees inside one kernel."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.live: dict[int, int] = {}
+            self.now = self.peak = 0
+
+        def _track(self, t: Any) -> None:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                return
+            storage = t.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+            if size == 0 or key in self.live:
+                return
+            self.live[key] = size
+            self.now += size
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(storage, self._release, key)
+
+        def _release(self, key: int) -> None:
+            self.now -= self.live.pop(key, 0)
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                self._track(t)
+            return out
+
+    _LEDGER.append(TensorLedger)
+    return TensorLedger
+
+
 def launch(target: str, job: TrainJob, *, nodes: int, inter_node_mbit: float | None, timeout_s: float,
            realtime: bool) -> list[dict[str, Any]]:
     """Run ``target(info, job_json)`` on ``job.plan.gpus`` ranks: local (``nodes == 1``) or on an
@@ -126,13 +179,15 @@ def median(xs: Sequence[float]) -> float:
 
 def summary(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The job's measured figures: step time (median over timed steps of the slowest rank), the
-    largest parameter and activation bytes of any rank, per pipeline stage, the losses."""
+    largest parameter and activation bytes of any rank, per pipeline stage (and, from a ``memory``
+    job, the largest peak and after-step tensor bytes), the losses."""
     steps = [max(r["step_s"][i] for r in reports) for i in range(len(reports[0]["step_s"]))]
     stages: dict[int, dict[str, int]] = {}
     for r in reports:
         st = stages.setdefault(r["pp_rank"], {"params": 0, "param_bytes": 0, "activation_peak_bytes": 0})
-        for k in st:
-            st[k] = max(st[k], r[k])
+        for k in ("params", "param_bytes", "activation_peak_bytes", "peak_tensor_bytes", "state_tensor_bytes"):
+            if k in r:
+                st[k] = max(st.get(k, 0), r[k])
     losses = next((r["losses"] for r in reports if r["losses"]), [])
     return {"step_s": steps, "stages": [stages[k] for k in sorted(stages)], "losses": losses,
             "moe_phases_ms_per_step": reports[0]["moe_phases_ms_per_step"]}

@@ -17,6 +17,7 @@ from typing import Any
 
 from piper_core.export import plan_label
 from piper_core.validate.compare import Row, verdict
+from piper_core.validate.peak import PeakRow, peak_from_json, peak_lines
 from piper_core.validate.suite import Suite, load_suite
 
 
@@ -41,6 +42,14 @@ def table(rows: Sequence[Row], verdict: dict[str, Any]) -> str:
               f"(limit {100 * lim['worst_step']:.0f}%): {ok[v['worst_step_ok']]}",
               f"worst parameter+activation memory error {_pct(v['worst_memory_error'])} on {v['worst_memory_case']} "
               f"(limit {100 * lim['memory']:.0f}%): {ok[v['memory_ok']]}"]
+    if "peak_ok" in v:
+        peaks = [r.peak for r in rows if r.peak is not None]
+        lines += ["", "peak tensor memory per rank (largest stage; every tensor from creation to free, "
+                      "piper_core/validate/peak.py) against the model's peak less its fixed overhead:"]
+        lines += peak_lines(peaks, v, v["limits"]["memory"])
+        if v["peak_not_measured"]:
+            lines.append(f"peak not measured for: {', '.join(v['peak_not_measured'])}")
+        lines.append("")
     for g, p in v["picks"].items():
         lines.append(f"scheduler's pick in {g}: {p['pick']} (measured fastest {p['measured_fastest']}; pick slower by "
                      f"{100 * p['pick_slower_by']:.1f}%, limit {100 * lim['pick']:.0f}%): {ok[p['ok']]}")
@@ -116,8 +125,15 @@ def rows_from_json(data: dict[str, Any]) -> tuple[list[Row], Suite]:
         rows.append(Row(case=known[r["case"]], measured_step_s=r["step_s"]["measured"],
                         predicted_step_s=r["step_s"]["predicted"], measured_memory=tuple(r["memory_bytes"]["measured"]),
                         predicted_memory=tuple(r["memory_bytes"]["predicted"]), phases=r.get("phases_ms_per_step", {}),
-                        losses=tuple(r.get("losses", ()))))
+                        losses=tuple(r.get("losses", ())),
+                        peak=None if not r.get("peak_tensor_bytes") else peak_from_json(known[r["case"]], r["peak_tensor_bytes"])))
     return rows, suite
+
+
+def peak_rows_from_json(data: dict[str, Any]) -> list[PeakRow]:
+    """The rows of a recorded ``piper validate --peak-only`` file."""
+    known = {c.name: c for c in load_suite(data.get("suite", {}).get("path") or "full").cases}
+    return [peak_from_json(known[r["case"]], r) for r in data["peak_rows"]]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,7 +141,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("results", type=Path, help="a results JSON written by piper validate --json")
     p.add_argument("--plot", type=Path, metavar="DIR", help="also write DIR/validation_scatter.png")
     a = p.parse_args(argv)
-    rows, suite = rows_from_json(json.loads(a.results.read_text()))
+    data = json.loads(a.results.read_text())
+    if "peak_rows" in data:  # piper validate --peak-only
+        print("\n".join(peak_lines(peak_rows_from_json(data), data["peak"], data["peak"]["limit"])))
+        return 0
+    rows, suite = rows_from_json(data)
     v = verdict(rows, suite.subsets)
     print(table(rows, v))
     if a.plot:

@@ -70,6 +70,8 @@ def _misses(v: dict) -> list[str]:
         out.append(f"{v['worst_step_case']} off by {v['worst_step_error']:+.3f} (> {WORST})")
     if abs(v["worst_memory_error"]) > MEMORY:
         out.append(f"memory of {v['worst_memory_case']} off by {v['worst_memory_error']:+.3f} (> {MEMORY})")
+    if "worst_peak_error" in v and abs(v["worst_peak_error"]) > MEMORY:
+        out.append(f"peak memory of {v['worst_peak_case']} off by {v['worst_peak_error']:+.3f} (> {MEMORY})")
     out += [f"pick {p['pick']} is {p['pick_slower_by']:.3f} slower than {p['measured_fastest']} (> {PICK})"
             for p in v["picks"].values() if p["pick_slower_by"] > PICK]
     return out
@@ -88,6 +90,7 @@ def test_quick_validation_agrees_with_reality(tmp_path):
     assert result["verdict"]["cases"] == 4 and len(result["verdict"]["picks"]) == 1
     assert result["suite"]["name"] == "quick" and len(result["suite"]["sha256"]) == 64
     assert set(result["profiles"]) == {"local-2", "local-2-deepspeed"}
+    assert result["verdict"]["peak_cases"] == 4  # every run's peak tensor memory measured too
     assert not misses, "; ".join(misses) + "\n" + "\n\n".join(tables)
     assert (tmp_path / "profiles" / "local-2.yaml").is_file()
     # the DeepSpeed path: trained through DeepSpeed-MoE with Piper's layer, predicted from its own

@@ -3,6 +3,7 @@ registered subsets beside it, and the provenance a results file records."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -120,3 +121,26 @@ def test_a_row_of_a_case_the_suite_lacks_is_refused():
                       "memory_bytes": {"measured": [1], "predicted": [1]}}]}
     with pytest.raises(KeyError, match="'nope' is not a case of the suite 'full'"):
         rows_from_json(data)
+
+
+def test_measured_peaks_join_the_verdict_and_round_trip_through_json(tmp_path):
+    from piper_core.validate.compare import row_json
+    from piper_core.validate.peak import PeakRow
+
+    suite = load_suite(_write(tmp_path, GOOD))
+    a, b = suite.cases
+    good = dataclasses.replace(_row(a, 1.0, 1.0), peak=PeakRow(case=a, measured=(100,), predicted=(103,),
+                                                                measured_state=(50,), predicted_state=(50,)))
+    bad = dataclasses.replace(_row(b, 1.0, 1.0), peak=PeakRow(case=b, measured=(100,), predicted=(90,),
+                                                               measured_state=(50,), predicted_state=(60,)))
+    v = verdict([good, bad])
+    assert (v["worst_peak_case"], v["worst_peak_error"], v["peak_ok"]) == ("b", -0.1, False) and not passed(v)
+    assert v["peak_mean_abs_error"] == pytest.approx(0.065) and v["worst_state_error"] == pytest.approx(0.2)
+    assert passed(verdict([good])) and v["peak_not_measured"] == []
+    partial = verdict([good, _row(b, 1.0, 1.0)])
+    assert partial["peak_cases"] == 1 and partial["peak_not_measured"] == ["b"]
+    assert "peak not measured for: b" in table([good, _row(b, 1.0, 1.0)], partial)
+    data = {"suite": suite.provenance(), "rows": [row_json(good), row_json(bad)]}
+    rows, _ = rows_from_json(json.loads(json.dumps(data)))
+    assert [r.peak for r in rows] == [good.peak, bad.peak]
+    assert "peak tensor memory: mean |error| 6.5%, worst -10.0% on b (limit 5%): FAIL" in table(rows, v)
