@@ -17,6 +17,7 @@ from typing import Any
 from piper_core.errors import SpecError
 from piper_core.resource.memory import GIB
 from piper_core.resource.predict import Prediction
+from piper_core.specs.cluster import AcceleratorSpec
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 
@@ -107,8 +108,10 @@ def _moe_flags(model: ModelSpec) -> list[Flag]:
     return flags
 
 
-def parallel_flags(model: ModelSpec, plan: ParallelPlan) -> list[Flag]:
-    """Parallel sizes, batch, precision, recompute and optimizer flags for ``plan``."""
+def parallel_flags(model: ModelSpec, plan: ParallelPlan, accelerator: AcceleratorSpec | None = None) -> list[Flag]:
+    """Parallel sizes, batch, precision, recompute and optimizer flags for ``plan``; ``--moe-grouped-gemm``
+    where the plan asks for grouped GEMMs (its ``moe_grouped_gemm``, or with ``accelerator`` that
+    accelerator's default when the plan leaves it unset)."""
     flags: list[Flag] = [("--tensor-model-parallel-size", plan.tp), ("--pipeline-model-parallel-size", plan.pp),
                          ("--context-parallel-size", plan.cp), ("--expert-model-parallel-size", plan.ep),
                          ("--expert-tensor-parallel-size", plan.etp_size)]
@@ -123,6 +126,8 @@ def parallel_flags(model: ModelSpec, plan: ParallelPlan) -> list[Flag]:
             flags.append(("--num-layers-per-virtual-pipeline-stage", model.num_layers // (plan.pp * plan.vpp)))
         else:
             flags.append(("--num-virtual-stages-per-pipeline-rank", plan.vpp))
+        if not plan.overlap_p2p_comm:  # on by default with interleaving (validate_args)
+            flags.append(("--no-overlap-p2p-communication", None))
     if plan.sequence_parallel:
         flags.append(("--sequence-parallel", None))
     flags += [("--micro-batch-size", plan.micro_batch_size), ("--global-batch-size", plan.global_batch_size),
@@ -141,6 +146,9 @@ def parallel_flags(model: ModelSpec, plan: ParallelPlan) -> list[Flag]:
         flags.append(("--overlap-grad-reduce", None))
     if plan.grad_reduce_in_bf16:
         flags.append(("--grad-reduce-in-bf16", None))
+    grouped = plan.moe_grouped_gemm if accelerator is None else plan.grouped_gemm_on(accelerator)
+    if model.is_moe and grouped:
+        flags.append(("--moe-grouped-gemm", None))
     if plan.shared_expert_overlap:
         flags.append(("--moe-shared-expert-overlap", None))
     if plan.ep_comm_overlap:  # Megatron-Core's own EP overlap; delayed wgrad fills the backward's exchanges
@@ -190,7 +198,8 @@ def megatron_args(p: Prediction) -> str:
              f"# The vocabulary ({model.vocab_size}) comes from your tokenizer.", ""]
     for var, value, why in environment(plan):
         lines += [f"# {line}" for line in why] + [f"export {var}={value}"]
-    lines += ["", *_bash_array("PIPER_MEGATRON_ARGS", model_flags(model) + parallel_flags(model, plan)), ""]
+    flags = model_flags(model) + parallel_flags(model, plan, p.cluster.accelerator)
+    lines += ["", *_bash_array("PIPER_MEGATRON_ARGS", flags), ""]
     # Piper's token dispatcher runs every plan the search makes, expert tensor parallelism (etp = tp) included
     lines += ["# Piper's all-to-all for the MoE layers: these flags need the Piper launcher, which runs the",
               "# script with the sizes above pinned, e.g. torchrun ... -m piper_megatron pretrain_gpt.py",

@@ -12,9 +12,11 @@ them (Megatron's own delay comes only with its EP overlap, ``ep_comm_overlap``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from piper_core.export import deepspeed_compatible
+from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.parallel import ParallelPlan
 
 Rule = Callable[[ParallelPlan], "str | None"]
@@ -40,9 +42,17 @@ def megatron_stock(plan: ParallelPlan) -> str | None:
 
 
 def megatron_piper(plan: ParallelPlan) -> str | None:
+    if plan.defer_wgrad and plan.moe_grouped_gemm:
+        return f"defer_wgrad with moe_grouped_gemm: {DEFERRED_EXPERTS}"
     if plan.ep_comm_overlap:
         return ("ep_comm_overlap: Megatron's --overlap-moe-expert-parallel-comm runs on its own dispatcher, which "
                 "--piper replaces")
+    return None
+
+
+def _grouped(plan: ParallelPlan, who: str) -> str | None:
+    if plan.moe_grouped_gemm:
+        return f"moe_grouped_gemm: {who}"
     return None
 
 
@@ -52,14 +62,33 @@ def deepspeed_stock(plan: ParallelPlan) -> str | None:
         return why
     if plan.shared_expert_overlap or plan.ep_comm_overlap:
         return "DeepSpeed-MoE has no exchange/compute overlap option"
-    return deepspeed_compatible(plan) or _stock_exchange(plan)
+    return _grouped(plan, DS_EXPERTS) or deepspeed_compatible(plan) or _stock_exchange(plan)
+
+
+DS_EXPERTS = "DeepSpeed-MoE's experts run one after another (its MOELayer and Piper's have no grouped GEMM)"
+DEFERRED_EXPERTS = ("the deferred weight gradients split each expert linear's autograd graph, which a grouped "
+                    "GEMM's fused function does not allow (piper_megatron.dispatcher.splittable_linears)")
 
 
 def deepspeed_piper(plan: ParallelPlan) -> str | None:
     if plan.shared_expert_overlap or plan.ep_comm_overlap:
         return "Piper's DeepSpeed-MoE layer has no shared expert and no Megatron EP overlap"
-    return deepspeed_compatible(plan)
+    return _grouped(plan, DS_EXPERTS) or deepspeed_compatible(plan)
 
 
 RUNNERS: dict[str, Rule] = {"megatron --piper": megatron_piper, "megatron stock": megatron_stock,
                             "deepspeed piper": deepspeed_piper, "deepspeed stock": deepspeed_stock}
+
+
+def sequential_experts(rule: Rule, plan: ParallelPlan) -> bool:
+    """Whether the runtime of ``rule`` runs ``plan``'s local experts one GEMM each, whatever the
+    accelerator's default: DeepSpeed always; Megatron with --piper when the weight gradients are
+    deferred. :func:`piper_core.scheduler.search.as_run_by` prices such plans that way."""
+    return rule in (deepspeed_stock, deepspeed_piper) or (rule is megatron_piper and plan.defer_wgrad)
+
+
+def without_grouped_gemm(cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` whose plans run their experts one GEMM each by default (a runtime without grouped GEMM)."""
+    if not cluster.accelerator.grouped_gemm:
+        return cluster
+    return dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, grouped_gemm=False))

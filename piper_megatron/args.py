@@ -242,6 +242,8 @@ def parse_megatron_args(argv: Sequence[str]) -> argparse.Namespace:
     for flag, dest, default in _MODEL_SWITCHES:
         parser.add_argument(flag, dest=dest, action="store_true", default=default)
     parser.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false", default=True)
+    # how the experts run (priced by piper_megatron.install._experts_as_written); not a model or parallel flag
+    parser.add_argument("--moe-grouped-gemm", dest="moe_grouped_gemm", action="store_true", default=False)
     for flag, (dest, kind, default) in PINNABLE.items():
         if not any(a.dest == dest for a in parser._actions):
             parser.add_argument(flag, dest=dest, **({"action": "store_true", "default": False} if kind is None

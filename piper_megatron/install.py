@@ -174,6 +174,7 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
     model, pins = model_spec_from_args(ns, defaults), pins_from(argv, options)
     precision_note = _check_precision(ns, pins)
     cluster, notes = _cluster(options)
+    cluster = _experts_as_written(ns, options, cluster)
     notes += [*options.notes, *([precision_note] if precision_note else [])]
     gbs = getattr(ns, "global_batch_size", None)
     if gbs is None:
@@ -205,6 +206,20 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
     check_save(ns, resume, model, best[0].plan)
     return Planned(model=model, cluster=cluster, gpus=world_size, gbs=gbs, pins=pins, result=result, best=best,
                    notes=tuple(notes + _pin_notes(pins)))
+
+
+def _experts_as_written(ns: Any, options: PiperOptions, cluster: ClusterSpec) -> ClusterSpec:
+    """``cluster`` pricing the experts as the command line runs them: grouped GEMMs with
+    ``--moe-grouped-gemm`` (Megatron's default is off), one GEMM per local expert without; the
+    preset's own default is the hardware's habit, not this job's setting."""
+    grouped = bool(getattr(ns, "moe_grouped_gemm", False))
+    if grouped and options.defer_wgrad:
+        raise SpecError("--moe-grouped-gemm", True, "--piper-defer-wgrad splits each expert linear's backward into "
+                        "its input and weight parts, which a grouped GEMM's fused function does not allow",
+                        "drop --moe-grouped-gemm (the experts then run one GEMM each) or --piper-defer-wgrad")
+    if cluster.accelerator.grouped_gemm == grouped:
+        return cluster
+    return dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, grouped_gemm=grouped))
 
 
 SHARED_NOTE = ("the shared expert runs after the exchange, not beside it: Piper's dispatcher does not run Megatron's "

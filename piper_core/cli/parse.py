@@ -1,13 +1,16 @@
-"""Parse ``--parallel "tp=2,pp=4,ep=8,..."`` into a ParallelPlan (CLI convenience only; specs and
-files use YAML keys)."""
+"""Parse ``--parallel "tp=2,pp=4,ep=8,..."`` into a ParallelPlan and the model overrides
+``--seq-length``/``--capacity-factor`` (CLI convenience only; specs and files use YAML keys)."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 from typing import Any
 
 from piper_core.errors import SpecError, nearest
 from piper_core.specs.cluster import ClusterSpec
+from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 
 # short CLI key -> ParallelPlan field
@@ -19,12 +22,13 @@ KEYS: dict[str, str] = {
     "grad_bf16": "grad_reduce_in_bf16", "offload": "optimizer_offload_fraction",
     "precision": "precision", "attention": "attention_backend", "a2a": "a2a", "chunks": "a2a_chunks",
     "shx": "shared_expert_overlap", "epov": "ep_comm_overlap", "dwg": "defer_wgrad",
+    "p2pov": "overlap_p2p_comm", "grouped_gemm": "moe_grouped_gemm",
     "first_stage_layers": "num_layers_in_first_pipeline_stage",
     "last_stage_layers": "num_layers_in_last_pipeline_stage",
 }
 _INTS = {"tp", "pp", "vpp", "ep", "etp", "cp", "mbs", "gbs", "recompute_layers", "chunks",
          "first_stage_layers", "last_stage_layers"}
-_BOOLS = {"sp", "dist_opt", "grad_bf16", "shx", "epov", "dwg"}
+_BOOLS = {"sp", "dist_opt", "grad_bf16", "shx", "epov", "dwg", "p2pov", "grouped_gemm"}
 _FLOATS = {"offload"}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -77,6 +81,57 @@ def add_target_args(p: argparse.ArgumentParser, model_help: str = "model preset 
     p.add_argument("--profile", metavar="PROFILE.yaml",
                    help="calibrated profile written by `piper calibrate` (instead of --cluster)")
     p.add_argument("--gpus", type=int, required=True, help="world size (number of GPUs)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Model settings a run chooses rather than the architecture: the sequence length and the
+    capacity factor (Megatron ``--seq-length``, ``--moe-expert-capacity-factor``)."""
+    p.add_argument("--seq-length", "--seq", dest="seq_length", metavar="N",
+                   help="sequence length in tokens (default: the model's)")
+    p.add_argument("--capacity-factor", metavar="F",
+                   help="MoE expert capacity factor, or 'none' for dropless (default: the model's)")
+
+
+def target_model(args: argparse.Namespace) -> ModelSpec:
+    """The model of the positional MODEL with ``--seq-length``/``--capacity-factor`` applied."""
+    from piper_core.presets import load_model
+
+    model = load_model(args.model)
+    changes: dict[str, Any] = {}
+    if args.seq_length is not None:
+        changes["seq_length"] = _positive_int("--seq-length", args.seq_length, "write e.g. --seq-length 4096")
+    if args.capacity_factor is not None:
+        changes["moe_capacity_factor"] = _capacity_factor(model, args.capacity_factor)
+    return dataclasses.replace(model, **changes) if changes else model
+
+
+def _positive_int(key: str, raw: str, fix: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SpecError(key, raw, "must be a whole number of tokens", fix) from None
+    if value <= 0:
+        raise SpecError(key, value, "must be positive", fix)
+    return value
+
+
+def _capacity_factor(model: ModelSpec, raw: str) -> float | None:
+    """A positive number (each expert takes at most ``cf x tokens x topk / experts`` tokens,
+    Megatron ``get_capacity``) or ``none`` (dropless)."""
+    if not model.is_moe:
+        raise SpecError("--capacity-factor", raw, f"applies to MoE models; {model.name} has no routed experts",
+                        "drop --capacity-factor")
+    if raw.strip().lower() in {"none", "dropless"}:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SpecError("--capacity-factor", raw, "must be a number or 'none' (dropless)",
+                        "write e.g. --capacity-factor 1.25, or --capacity-factor none") from None
+    if not (math.isfinite(value) and value > 0):
+        raise SpecError("--capacity-factor", value, "must be a finite positive number (tokens per expert = cf x "
+                        "tokens x topk / experts)", "write e.g. --capacity-factor 1.0, or none for dropless")
+    return value
 
 
 def target_cluster(args: argparse.Namespace) -> ClusterSpec:

@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from piper_core.cli.parse import add_target_args, target_cluster
+from piper_core.cli.parse import add_model_args, add_target_args, target_cluster, target_model
 from piper_core.cli.progress import Progress
 from piper_core.errors import SpecError
 from piper_core.export import overlap_suffix
 from piper_core.export import plan_label as describe
-from piper_core.presets import load_model
 from piper_core.resource.memory import GIB
 from piper_core.resource.params import total_params
 from piper_core.resource.predict import Prediction, predict, to_json
@@ -34,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_target_args(p)
     p.add_argument("--gbs", type=int, help="global batch size in sequences (default: the smallest multiple of "
                                            "--gpus reaching 4 Mi tokens per step)")
-    p.add_argument("--seq", type=int, help="sequence length (default: the model's)")
+    add_model_args(p)
     p.add_argument("--top", type=int, default=5, help="plans to show (default 5)")
     p.add_argument("--memory-headroom", type=float, default=0.0,
                    help="fraction of usable memory to keep free, e.g. 0.1 (default 0)")
@@ -64,9 +63,7 @@ def default_gbs(model: ModelSpec, gpus: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, cluster = load_model(args.model), target_cluster(args)
-    if args.seq is not None:
-        model = dataclasses.replace(model, seq_length=args.seq)
+    model, cluster = target_model(args), target_cluster(args)
     if args.gpus <= 0:
         raise SpecError("--gpus", args.gpus, "must be a positive number", "give the world size, e.g. --gpus 64")
     if not 0.0 <= args.memory_headroom < 1.0:

@@ -1,13 +1,12 @@
-"""``piper predict MODEL --cluster C --gpus N --parallel "..." [--json]``."""
+"""``piper predict MODEL --cluster C --gpus N --parallel "..." [--seq-length N] [--capacity-factor F] [--json]``."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
-from piper_core.cli.parse import add_target_args, parse_parallel, target_cluster
+from piper_core.cli.parse import add_model_args, add_target_args, parse_parallel, target_cluster, target_model
 from piper_core.export import overlap_suffix
-from piper_core.presets import load_model
 from piper_core.resource.memory import GIB
 from piper_core.resource.predict import Prediction, predict, to_json
 
@@ -15,24 +14,35 @@ HELP_PARALLEL = ("comma-separated key=value: tp, pp, vpp, ep, etp, cp, sp (0/1),
                  "recompute (none|selective|full), recompute_method (uniform|block), recompute_layers, "
                  "dist_opt (0/1), grad_bf16 (0/1), offload (optimizer offload fraction 0..1), precision (bf16|fp16), "
                  "attention (flash|unfused), a2a "
-                 "(flat|hierarchical), chunks (N > 1 pipelines the exchange), shx (shared expert overlap), epov (Megatron's EP overlap), first_stage_layers, last_stage_layers")
+                 "(flat|hierarchical), chunks (N > 1 pipelines the exchange), shx (shared expert overlap), "
+                 "epov (Megatron's EP overlap), dwg (deferred expert weight gradients), p2pov (0/1: Megatron's p2p "
+                 "overlap with vpp, default 1), grouped_gemm (0/1: --moe-grouped-gemm; default: the accelerator's), "
+                 "first_stage_layers, last_stage_layers")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("predict", help="parameters, FLOPs and memory per GPU of one plan",
                        description="Predict parameters, FLOPs and per-stage memory of one parallel plan.")
     add_target_args(p)
+    add_model_args(p)
     p.add_argument("--parallel", default="", help=HELP_PARALLEL)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    model, cluster = load_model(args.model), target_cluster(args)
+    model, cluster = target_model(args), target_cluster(args)
     plan = parse_parallel(args.parallel, args.gpus)
     result = predict(model, cluster, plan)
-    print(json.dumps(to_json(result), indent=2) if args.json else render(result))
+    print(json.dumps(to_json(result), indent=2) if args.json else render(result, overrides=overrides(args, model)))
     return 0
+
+
+def overrides(args: argparse.Namespace, model) -> str:
+    """``seq_length 4096, moe_capacity_factor 1.5`` for the model settings the command line set."""
+    given = (("seq_length", args.seq_length), ("moe_capacity_factor", args.capacity_factor))
+    shown = {"seq_length": model.seq_length, "moe_capacity_factor": model.moe_capacity_factor or "none (dropless)"}
+    return ", ".join(f"{key} {shown[key]}" for key, raw in given if raw is not None)
 
 
 def _si(n: float, unit: str = "") -> str:
@@ -42,17 +52,26 @@ def _si(n: float, unit: str = "") -> str:
     return f"{n:.0f} {unit}".rstrip()
 
 
-def render(p: Prediction) -> str:
-    """Human-readable report: plan, parameters, FLOPs, memory per stage, verdict."""
+def _settings(plan) -> str:
+    """The kernel and schedule settings a plan gives explicitly (defaults are not shown)."""
+    out = " p2pov=0" if plan.vpp and not plan.overlap_p2p_comm else ""
+    return out + (f" grouped_gemm={int(plan.moe_grouped_gemm)}" if plan.moe_grouped_gemm is not None else "")
+
+
+def render(p: Prediction, *, overrides: str = "") -> str:
+    """Human-readable report: plan, parameters, FLOPs, memory per stage, verdict (``overrides``: the
+    model settings the command line changed, shown beside the model's name)."""
     plan, c = p.plan, p.cluster
+    name = f"{p.model.name} ({overrides})" if overrides else p.model.name
     lines = [
-        f"piper predict: {p.model.name} on {c.name} ({plan.gpus} x {c.accelerator.name})",
+        f"piper predict: {name} on {c.name} ({plan.gpus} x {c.accelerator.name})",
         f"plan: tp={plan.tp} pp={plan.pp} vpp={plan.vpp or 1} cp={plan.cp} dp={plan.dp} | ep={plan.ep} "
         f"etp={plan.etp_size} edp={plan.edp} | mbs={plan.micro_batch_size} gbs={plan.global_batch_size} "
         f"({plan.num_microbatches} micro-batches) | sp={int(plan.sequence_parallel)} recompute={plan.recompute} "
         f"dist_opt={int(plan.distributed_optimizer)} {plan.precision} attention={plan.attention_backend} "
-        f"a2a={plan.a2a}/{plan.a2a_chunks}{overlap_suffix(plan)}",
-        f"parameters: total {_si(p.params_total)}, active per token {_si(p.params_active)}",
+        f"a2a={plan.a2a}/{plan.a2a_chunks}{overlap_suffix(plan)}{_settings(plan)}",
+        f"parameters: total {_si(p.params_total)}, active per token {_si(p.params_active)} with the input "
+        f"embedding, {_si(p.params_active_without_input_embedding)} without",
         f"FLOPs/step: model {p.flops.model:.3e} (Megatron definition), hardware {p.flops.hardware:.3e} "
         f"({p.flops.tokens:,} tokens)",
         "",
@@ -64,6 +83,9 @@ def render(p: Prediction) -> str:
         cells = [str(s.stage), str(s.layers), _si(s.params.total)] + [
             f"{v / GIB:.2f}" for v in (s.weights, s.gradients, s.optimizer, s.activations, s.buffers, s.overhead, s.total)]
         lines.append("  ".join(f"{x:>8}" for x in cells))
+    lines += [f"stage {s.stage}: total counts the optimizer step's fp32 gradient copy ({s.step_gradients / GIB:.2f} "
+              f"GiB) instead of activ + buffers (freed by then)"
+              for s in p.stages if s.step_gradients > s.activations + s.buffers]
     t, r = p.time, p.rate
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.3g} s" for k, v in t.breakdown().items())
     lines += ["", f"step time {t.step:.3g} s ({parts})",

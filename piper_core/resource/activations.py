@@ -322,6 +322,7 @@ def output_activation_bytes(model: ModelSpec, plan: ParallelPlan, *, kernels: Ke
 
     The bf16 logits are not kept: ``vocab_parallel_cross_entropy`` works on an fp32 copy and saves
     its softmax ``exp_logits`` [s/cp, b, V/tp] in fp32 (with the target mask and masked targets).
+    The logits themselves, and their gradient, are transient (:func:`logits_transient_bytes`).
     """
     d = _dims(model, plan)
     out: dict[str, int] = {}
@@ -331,3 +332,19 @@ def output_activation_bytes(model: ModelSpec, plan: ParallelPlan, *, kernels: Ke
     out["cross_entropy.softmax"] = d.tokens * vocab * _FP32  # _VocabParallelCrossEntropy: exp_logits
     out["cross_entropy.targets"] = d.tokens * (_BOOL + _INT64)  # target_mask, masked_target_1d
     return sum(out.values())
+
+
+def logits_transient_bytes(model: ModelSpec, plan: ParallelPlan) -> int:
+    """Bytes the last stage holds per micro-batch beyond its saved activations while the loss runs.
+
+    The output layer returns the logits [s/cp, b, V/tp] in the activation dtype; the loss casts
+    them to fp32 (``logits.float()`` in ``calculate_logits_max``, megatron/core/tensor_parallel/
+    cross_entropy.py, the default unfused path; the native fused one, fusions/fused_cross_entropy.py,
+    does the same) and keeps that copy as its softmax (:func:`output_activation_bytes`), while
+    ``GPTModel._postprocess`` still holds the 2-byte logits until the forward returns. In backward
+    the loss's gradient is the fp32 softmax, turned back into a 2-byte gradient of the logits (the
+    cast's backward; the fused path's ``grad_input.to(torch.bfloat16)``) before the fp32 one is freed.
+    Either way one 2-byte [s/cp, b, V/tp] tensor sits beside the saved fp32 softmax.
+    """
+    d = _dims(model, plan)
+    return d.tokens * (model.padded_vocab(plan.tp) // plan.tp) * d.act

@@ -3,11 +3,20 @@ communication buffers and the fixed overhead, against the cluster's capacity.
 
 Sources:
 * Bytes per parameter: Megatron-Core distributed-optimizer guide (docs ``dist_optimizer.md``):
-  bf16 params with fp32 gradients 2 + 4 + 12/d; fp16 params and gradients 2 + 2 + 16/d (fp32 main
-  params and gradients, Adam m and v). Megatron sets fp32 gradient accumulation for bf16
-  (``validate_args``) unless ``--grad-reduce-in-bf16`` (2 bytes). The router weight is fp32
-  (TopKRouter): 4 + 4 + 8/d. ``--optimizer-cpu-offload`` moves a fraction of the optimizer
-  state to the host (16 bytes per parameter there: fp32 master, m, v and a gradient copy).
+  2-byte params, 4-byte gradients with bf16 (Megatron sets fp32 gradient accumulation for bf16 in
+  ``validate_args`` unless ``--grad-reduce-in-bf16``, 2 bytes) and 2-byte ones with fp16, Adam's
+  fp32 main params, m and v (12/d). Every parameter is 2 bytes, the router's included
+  (``Router.reset_parameters`` casts it to ``params_dtype``).
+* fp32 gradient copy: where the gradient buffer is not fp32 (fp16, or bf16 with
+  ``--grad-reduce-in-bf16``) the optimizer copies its gradient shard to fp32 at the step
+  (``main_grad.float()`` in ``DistributedOptimizer._copy_model_grads_to_main_grads``,
+  megatron/core/optimizer/distrib_optimizer.py; ``Float16OptimizerWithFloat16Params`` likewise for all
+  parameters without it). The copy lives from ``optimizer.step()`` to the next ``optimizer.zero_grad()``
+  at the top of ``train_step`` (megatron/training/training.py), when the activations are freed:
+  the stage's peak is the larger of the step and the forward/backward. With ``--optimizer-cpu-offload``
+  the GPU share keeps its copy for good (``HybridDeviceOptimizer._set_sub_optimizer_grads``
+  sets ``fp32_param.grad = grad.to(fp32)`` and nothing frees it) and the host keeps 16 bytes per
+  offloaded parameter (fp32 master, m, v and a pinned fp32 gradient copy).
 * Sharding: dense state over dp*cp, expert state over expert-dp (``DistributedOptimizer`` with the
   expert-data-parallel group).
 * In-flight micro-batches: 1F1B keeps ``pp - rank`` micro-batches on rank ``rank``; the interleaved
@@ -47,35 +56,56 @@ class StageMemory:
     activations: int
     buffers: int
     overhead: int
+    step_gradients: int = 0  # fp32 gradient copy live only during the optimizer step
     host: int = 0  # offloaded optimizer state on the host (not part of ``total``)
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers + self.overhead
+        return peak_bytes(self.weights + self.gradients + self.optimizer, self.overhead,
+                          self.activations + self.buffers, self.step_gradients)
 
 
-def _state_bytes(params: ParamCount, plan: ParallelPlan) -> tuple[int, int, int, int]:
-    """(weights, gradients, optimizer on the GPU, optimizer on the host) bytes for ``params``.
+def peak_bytes(state: int, overhead: int, forward_backward: int, step_gradients: int) -> int:
+    """A stage's peak: its state and overhead, plus the larger of what the forward/backward holds
+    (activations and buffers) and the fp32 gradient copy of the optimizer step (see the module
+    docstring: the copy is made after the last backward and freed before the next forward)."""
+    return state + overhead + max(forward_backward, step_gradients)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StateBytes:
+    """Bytes of one GPU's model state (see :func:`_state_bytes`)."""
+
+    weights: int
+    gradients: int
+    optimizer: int  # on the GPU for the whole step
+    step_gradients: int  # fp32 gradient copy, live only during the optimizer step
+    host: int  # offloaded optimizer state on the host
+
+    @property
+    def persistent(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+def _state_bytes(params: ParamCount, plan: ParallelPlan) -> StateBytes:
+    """Weights, gradients, optimizer state (GPU and host) and the step's fp32 gradient copy for ``params``.
 
     An offloaded share keeps fp32 master weights, Adam m and v (12 bytes) and a pinned fp32
     gradient copy (4 bytes) per parameter on the host (Megatron ``HybridDeviceOptimizer``).
     """
-    half = params.total - params.fp32
-    grad_bytes, opt_bytes = (4, 12) if plan.precision == "bf16" else (2, 16)
-    if plan.grad_reduce_in_bf16:
-        grad_bytes = 2
-    weights = 2 * half + 4 * params.fp32
-    grads = grad_bytes * half + 4 * params.fp32
-    dense_half, expert = params.dense - params.fp32, params.expert
+    fp32_grads = plan.precision == "bf16" and not plan.grad_reduce_in_bf16
+    grad_bytes = 4 if fp32_grads else 2
     if plan.distributed_optimizer:
-        dense_shards, expert_shards = plan.dp * plan.cp, plan.edp
+        shard = params.dense / (plan.dp * plan.cp) + params.expert / plan.edp
     else:
-        dense_shards = expert_shards = 1
-    shard = dense_half / dense_shards + expert / expert_shards
-    optimizer = opt_bytes * shard + 8 * params.fp32 / dense_shards
+        shard = params.total
     offload = plan.optimizer_offload_fraction
-    host = 16 * shard * offload
-    return weights, grads, math.ceil(optimizer * (1 - offload)), math.ceil(host)
+    # fp32 copy of the shard's gradients (module docstring): none when the buffer already is fp32
+    # (``.float()`` returns it), transient without offload, kept for good by the GPU share with it
+    grad_copy = 0 if fp32_grads else 4 * shard
+    optimizer = (12 * shard + (grad_copy if offload else 0)) * (1 - offload)
+    return StateBytes(weights=2 * params.total, gradients=grad_bytes * params.total, optimizer=math.ceil(optimizer),
+                      step_gradients=0 if offload else math.ceil(grad_copy), host=math.ceil(16 * shard * offload))
 
 
 def in_flight_chunks(plan: ParallelPlan, rank: int) -> int:
@@ -126,19 +156,22 @@ def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: 
     return math.ceil(held + transient)
 
 
-def _buffers(model: ModelSpec, plan: ParallelPlan) -> int:
-    """Transient buffers outside the saved activations, the largest one live at a time.
+def _buffers(model: ModelSpec, plan: ParallelPlan) -> tuple[int, int]:
+    """Transient buffers outside the saved activations, the largest one live at a time, on every
+    stage but the last and on the last.
 
     The all-to-all receive buffer of one MoE layer (permuted tokens x hidden, before the sort by
-    expert) and, with sequence parallelism, the all-gathered [s, b, h] input of a column-parallel
-    linear (SP saves the shard and re-gathers in backward).
+    expert); with sequence parallelism, the all-gathered [s, b, h] input of a column-parallel
+    linear (SP saves the shard and re-gathers in backward); and on the last stage the logits, or
+    their gradient, beside the loss's fp32 copy (:func:`activations.logits_transient_bytes`).
     """
     tokens = model.seq_length // plan.cp * plan.micro_batch_size
     gathered = tokens * model.hidden_size * 2 if plan.sequence_parallel else 0
     a2a = 0
     if model.is_moe:
         a2a = activations.routed_rows(model, plan) * model.hidden_size * 2
-    return max(gathered, a2a)
+    inner = max(gathered, a2a)
+    return inner, max(inner, activations.logits_transient_bytes(model, plan))
 
 
 def with_state_of(stages: tuple[StageMemory, ...], plan: ParallelPlan) -> tuple[StageMemory, ...]:
@@ -147,24 +180,26 @@ def with_state_of(stages: tuple[StageMemory, ...], plan: ParallelPlan) -> tuple[
     For plans that differ only in how state is kept (bf16 gradients, optimizer offload): the
     activations and buffers do not change, so the search re-prices only the state.
     """
-    out = []
-    for s in stages:
-        weights, grads, optimizer, host = _state_bytes(s.params, plan)
-        out.append(dataclasses.replace(s, weights=weights, gradients=grads, optimizer=optimizer, host=host))
-    return tuple(out)
+    return tuple(_with_state(s, _state_bytes(s.params, plan)) for s in stages)
+
+
+def _with_state(s: StageMemory, state: StateBytes) -> StageMemory:
+    return dataclasses.replace(s, weights=state.weights, gradients=state.gradients, optimizer=state.optimizer,
+                               step_gradients=state.step_gradients, host=state.host)
 
 
 def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> tuple[StageMemory, ...]:
     """Per pipeline rank: every memory term in bytes for one GPU."""
     out = []
     params = stage_params(model, plan)
-    buffers = _buffers(model, plan)
+    buffers, last_buffers = _buffers(model, plan)
     for rank, chunks in enumerate(stage_kinds(model, plan)):
-        weights, grads, optimizer, host = _state_bytes(params[rank], plan)
+        state = _state_bytes(params[rank], plan)
         out.append(StageMemory(
-            stage=rank, layers=sum(len(c) for c in chunks), params=params[rank], weights=weights,
-            gradients=grads, optimizer=optimizer,
-            activations=_stage_activations(model, plan, rank, chunks), buffers=buffers,
-            overhead=round(cluster.memory_overhead_gib * GIB), host=host,
+            stage=rank, layers=sum(len(c) for c in chunks), params=params[rank], weights=state.weights,
+            gradients=state.gradients, optimizer=state.optimizer, step_gradients=state.step_gradients,
+            activations=_stage_activations(model, plan, rank, chunks),
+            buffers=last_buffers if rank == plan.pp - 1 else buffers,
+            overhead=round(cluster.memory_overhead_gib * GIB), host=state.host,
         ))
     return tuple(out)

@@ -5,7 +5,8 @@ specs hold the same parameters): every linear weight, bias, norm and router, wit
 splits as ``ColumnParallelLinear``/``RowParallelLinear`` make them. Expert weights are split over
 ``ep`` (whole experts) and ``etp`` (inside an expert); everything else is dense and split over ``tp``
 where Megatron splits it. MLA down-projections are duplicated on every tp rank, as in the TE spec
-(``parallel_mode='duplicated'``, megatron/core/transformer/multi_latent_attention.py).
+(``parallel_mode='duplicated'``, megatron/core/transformer/multi_latent_attention.py). Every parameter,
+the router's included, is held in the params dtype (see :func:`_layer_params`).
 """
 
 from __future__ import annotations
@@ -23,23 +24,21 @@ class ParamCount:
     """Parameters held by one GPU, split by how Megatron treats them.
 
     ``dense``: non-expert parameters (gradients reduced over dp); ``expert``: expert parameters
-    (reduced over expert-dp); ``fp32``: how many of ``dense`` Megatron keeps in fp32 (the router).
+    (reduced over expert-dp).
     """
 
     dense: int = 0
     expert: int = 0
-    fp32: int = 0
 
     @property
     def total(self) -> int:
         return self.dense + self.expert
 
     def __add__(self, other: ParamCount) -> ParamCount:
-        return ParamCount(dense=self.dense + other.dense, expert=self.expert + other.expert,
-                          fp32=self.fp32 + other.fp32)
+        return ParamCount(dense=self.dense + other.dense, expert=self.expert + other.expert)
 
     def scaled(self, k: int) -> ParamCount:
-        return ParamCount(dense=self.dense * k, expert=self.expert * k, fp32=self.fp32 * k)
+        return ParamCount(dense=self.dense * k, expert=self.expert * k)
 
 
 def _norm(model: ModelSpec, width: int) -> int:
@@ -98,13 +97,17 @@ def _layer_params(model: ModelSpec, tp: int, ep: int, etp: int, moe: bool) -> Pa
     dense = attention_params(model, tp) + _norm(model, h)
     if not moe:
         return ParamCount(dense=dense + mlp_params(model, model.ffn_hidden_size, tp))
+    # The router's weight (and bias) is created in fp32 but cast to config.params_dtype at once
+    # (megatron/core/transformer/moe/router.py, Router.reset_parameters), and Float16Module casts the
+    # whole model anyway (megatron/training/training.py, get_model); moe_router_dtype='fp32' only
+    # changes the dtype the gating GEMM computes in (Router.gating), not the stored weight.
     router = model.num_experts * h + (model.num_experts if model.add_bias_linear else 0)
     shared = model.moe_shared_expert_intermediate_size
     if shared:
         dense += mlp_params(model, shared, tp)
     local_experts = model.num_experts // ep
     expert = local_experts * mlp_params(model, model.moe_ffn_hidden_size, etp)
-    return ParamCount(dense=dense + router, expert=expert, fp32=router)
+    return ParamCount(dense=dense + router, expert=expert)
 
 
 def embedding_params(model: ModelSpec, tp: int) -> int:
@@ -159,9 +162,27 @@ def total_params(model: ModelSpec) -> int:
     return stage_params(model, _unsplit(model))[0].total
 
 
-def active_params(model: ModelSpec) -> int:
-    """Parameters one token touches: all but the unrouted experts (top-k of them are used)."""
+def input_embedding_params(model: ModelSpec) -> int:
+    """Parameters of the input-embedding lookups: the word embeddings and learned absolute positions.
+
+    With tied embeddings the word-embedding matrix is also the output layer's weight, a GEMM every
+    token runs, so it is not counted here (only the positions, if learned, are).
+    """
+    n = 0 if model.tie_embeddings else model.padded_vocab(1) * model.hidden_size
+    if model.position_embedding == "learned_absolute":
+        n += model.seq_length * model.hidden_size
+    return n
+
+
+def active_params(model: ModelSpec, *, input_embedding: bool = True) -> int:
+    """Parameters one token touches: all but the unrouted experts (top-k of them are used).
+
+    ``input_embedding=False`` leaves out the input-embedding lookups (:func:`input_embedding_params`),
+    as some model cards do (a table row read per token is not compute); the output layer stays in.
+    The presets' published active counts include it (tests/unit/test_params_flops.py).
+    """
     full = _unsplit(model)
     one_expert = mlp_params(model, model.moe_ffn_hidden_size, 1) if model.is_moe else 0
     unused = (model.num_experts - model.moe_router_topk) * one_expert * model.num_moe_layers
-    return total_params(model) - unused if model.is_moe else stage_params(model, full)[0].total
+    active = total_params(model) - unused if model.is_moe else stage_params(model, full)[0].total
+    return active if input_embedding else active - input_embedding_params(model)

@@ -23,7 +23,8 @@ class Prediction:
     cluster: ClusterSpec
     plan: ParallelPlan
     params_total: int
-    params_active: int
+    params_active: int  # per token, the input embedding included
+    params_active_without_input_embedding: int  # per token, without the input-embedding lookups
     flops: StepFlops
     stages: tuple[StageMemory, ...]
     time: StepTime
@@ -61,7 +62,9 @@ def predict(model: ModelSpec, cluster: ClusterSpec, plan: ParallelPlan) -> Predi
     check_plan(model, plan)
     t = step_time(model, plan, cluster)
     return Prediction(model=model, cluster=cluster, plan=plan, params_total=total_params(model),
-                      params_active=active_params(model), flops=step_flops(model, plan),
+                      params_active=active_params(model),
+                      params_active_without_input_embedding=active_params(model, input_embedding=False),
+                      flops=step_flops(model, plan),
                       stages=stage_memory(model, plan, cluster), time=t, rate=throughput(model, plan, cluster, t))
 
 
@@ -74,16 +77,20 @@ def stage_json(s: StageMemory) -> dict[str, Any]:
             "params": {"dense": s.params.dense, "expert": s.params.expert, "total": s.params.total},
             "weights": _gib(s.weights), "gradients": _gib(s.gradients), "optimizer": _gib(s.optimizer),
             "activations": _gib(s.activations), "buffers": _gib(s.buffers), "overhead": _gib(s.overhead),
-            "total": _gib(s.total), "host_optimizer": _gib(s.host)}
+            "step_gradients": _gib(s.step_gradients), "total": _gib(s.total), "host_optimizer": _gib(s.host)}
 
 
 def to_json(p: Prediction) -> dict[str, Any]:
-    """The ``--json`` object. Memory in GiB (2**30 bytes), FLOPs per step over all GPUs."""
+    """The ``--json`` object. Memory in GiB (2**30 bytes), FLOPs per step over all GPUs. A stage's
+    ``total`` is its state and overhead plus the larger of activations + buffers and ``step_gradients``
+    (:func:`piper_core.resource.memory.peak_bytes`); ``params.active`` counts the input embedding,
+    ``params.active_without_input_embedding`` does not."""
     plan = to_dict(p.plan) | {"dp": p.plan.dp, "edp": p.plan.edp, "etp": p.plan.etp_size,
                               "num_microbatches": p.plan.num_microbatches}
     return {
         "model": p.model.name, "cluster": p.cluster.name, "gpus": p.plan.gpus, "plan": plan,
         "params": {"total": p.params_total, "active": p.params_active,
+                   "active_without_input_embedding": p.params_active_without_input_embedding,
                    "per_gpu": [s.params.total for s in p.stages]},
         "flops_per_step": {"model": p.flops.model, "hardware": p.flops.hardware, "tokens": p.flops.tokens},
         "memory_gib": {"peak": _gib(p.peak_stage.total), "peak_stage": p.peak_stage.stage,

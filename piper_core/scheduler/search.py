@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from piper_core.errors import Infeasible, SpecError
 from piper_core.resource import activations
-from piper_core.resource.memory import GIB, _state_bytes, stage_memory
+from piper_core.resource.memory import GIB, _state_bytes, peak_bytes, stage_memory
 from piper_core.resource.params import stage_params
 from piper_core.resource.predict import Prediction, predict
 from piper_core.scheduler.space import UNPIPELINED, A2AVariant, SearchSpace, default_space, pipeline_split
@@ -395,8 +395,8 @@ class _Memory:
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, space: SearchSpace, limit: float) -> None:
         self.model, self.cluster, self.space, self.limit = model, cluster, space, limit
         self.host_limit = cluster.host_capacity_gib * GIB
-        self.rest: tuple = (None, None)  # (combo without dist_opt, ((params, activations+buffers+overhead), ...))
-        self.states: dict = {}  # (state key, saver) -> {params: (weights+gradients+optimizer, host)}
+        self.rest: tuple = (None, None)  # (combo without dist_opt, ((params, activations+buffers, overhead), ...))
+        self.states: dict = {}  # (state key, saver) -> {params: (weights+gradients+optimizer, host, step copy)}
         self.checked: set = set()  # savers built once through ParallelPlan's checks
         self.probed: tuple | None = None  # the last combo (without dist_opt) whose activations were checked
 
@@ -430,8 +430,8 @@ class _Memory:
             state = {}
             for params in stage_params(self.model, plan):
                 if params not in state:
-                    weights, grads, optimizer, host = _state_bytes(params, candidate)
-                    state[params] = (weights + grads + optimizer, host)
+                    bytes_ = _state_bytes(params, candidate)
+                    state[params] = (bytes_.persistent, bytes_.host, bytes_.step_gradients)
             self.states[key] = state
         return state
 
@@ -441,22 +441,22 @@ class _Memory:
         if self.rest[0] == same:
             rest = self.rest[1]
         else:
-            if all(max(w for w, _ in self._state(combo, plan, saver).values()) > self.limit
+            if all(max(w for w, _, _ in self._state(combo, plan, saver).values()) > self.limit
                    for saver in reversed(savers)):
                 if self.probed != same:  # the twin's activations are the same (see above)
                     activations.layer_activation_bytes(self.model, plan, moe=False)  # raises what stage_memory would
                     self.probed = same
                 return None, 0, MEMORY
             stages = stage_memory(self.model, plan, self.cluster)
-            rest = tuple(dict.fromkeys((s.params, s.activations + s.buffers + s.overhead) for s in stages))
+            rest = tuple(dict.fromkeys((s.params, s.activations + s.buffers, s.overhead) for s in stages))
             self.rest = (same, rest)
         reason = MEMORY
         for saver in savers:
             state = self._state(combo, plan, saver)
-            peak = max(r + state[params][0] for params, r in rest)
+            peak = max(peak_bytes(state[params][0], overhead, r, state[params][2]) for params, r, overhead in rest)
             if peak > self.limit:
                 continue
-            if max(state[params][1] for params, _ in rest) * self.cluster.gpus_per_node > self.host_limit:
+            if max(state[params][1] for params, _, _ in rest) * self.cluster.gpus_per_node > self.host_limit:
                 reason = HOST_MEMORY
                 continue
             return self._candidate(plan, saver), peak, ""
@@ -481,7 +481,13 @@ def deciding_rule(first: Scored, second: Scored) -> int | None:
 def as_run_by(plan: ParallelPlan, rule) -> ParallelPlan | None:
     """``plan`` as a runtime whose ``rule`` (:data:`piper_core.runners.RUNNERS`) it is would run it: as
     it is, or -- when only the shared expert's overlap with the exchange is out of its reach -- with
-    the shared expert after the routed experts (as Piper's DeepSpeed model runs it); None if neither."""
+    the shared expert after the routed experts (as Piper's DeepSpeed model runs it); None if neither.
+    A runtime that runs the experts one GEMM each (:func:`piper_core.runners.sequential_experts`)
+    gets the plan with ``moe_grouped_gemm`` off (priced that way: it only adds launches)."""
+    from piper_core.runners import sequential_experts
+
+    if plan.moe_grouped_gemm is not False and sequential_experts(rule, plan):
+        plan = _copy(plan, moe_grouped_gemm=False)
     if rule(plan) is None:
         return plan
     if plan.shared_expert_overlap and not plan.ep_comm_overlap:

@@ -34,10 +34,17 @@ class AcceleratorSpec:
     hooks, the token dispatcher's bookkeeping; 0 in the GPU presets, where the host runs ahead of the
     device, and fitted by ``piper calibrate`` where it does not, as on CPU ranks): per transformer
     layer forward (``layer_overhead_us``), extra per MoE layer forward (``moe_overhead_us``), per
-    local expert forward call (``expert_overhead_us``, once per chunk when pipelined), backward =
+    local expert forward call (``expert_overhead_us``, once per chunk when pipelined; one call for
+    all local experts with grouped GEMM), backward =
     ``backward_overhead_factor`` x forward; per micro-batch (``microbatch_overhead_us``: embedding,
     output layer and loss, the schedule's bookkeeping; shared by the pipeline stages, 1/pp each) and
     per step (``step_overhead_us``: gradient-buffer and optimizer bookkeeping).
+
+    ``grouped_gemm``: whether Megatron runs a plan's local experts as one grouped GEMM per expert
+    linear by default here (``--moe-grouped-gemm``: ``TEGroupedMLP``/``GroupedMLP``, CUDA/ROCm
+    kernels; the GPU presets, as Megatron-Bridge's MoE recipes set it) or one GEMM per expert
+    (``SequentialMLP``: Megatron's own default, and the only choice on CPU ranks). A plan's
+    ``moe_grouped_gemm`` overrides it.
     """
 
     name: str
@@ -56,6 +63,7 @@ class AcceleratorSpec:
     backward_overhead_factor: float = 2.0
     microbatch_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
+    grouped_gemm: bool = False
 
     def __post_init__(self) -> None:
         for key in ("layer_overhead_us", "moe_overhead_us", "expert_overhead_us", "backward_overhead_factor",

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from piper_core.errors import SpecError
 from piper_core.specs._check import freeze_hash, literals, divides, positive
+
+if TYPE_CHECKING:
+    from piper_core.specs.cluster import AcceleratorSpec
 
 Recompute = Literal["none", "selective", "full"]
 A2AAlgorithm = Literal["flat", "hierarchical"]
@@ -44,6 +47,13 @@ class ParallelPlan:
     (``--grad-reduce-in-bf16``; default fp32 accumulation); ``optimizer_offload_fraction`` moves that
     share of the optimizer state and step to the host (``--optimizer-cpu-offload``,
     ``--optimizer-offload-fraction``).
+
+    ``overlap_p2p_comm``: Megatron's ``--overlap-p2p-communication`` (on unless
+    ``--no-overlap-p2p-communication``; ``validate_args`` turns it off without interleaving, so it
+    matters only with ``vpp``). ``moe_grouped_gemm``: Megatron's ``--moe-grouped-gemm`` (one grouped
+    GEMM for all local experts, ``TEGroupedMLP``/``GroupedMLP``); None takes the accelerator's
+    default (``AcceleratorSpec.grouped_gemm``: on for the GPU presets, off for CPU ranks, which run
+    ``SequentialMLP``).
     """
 
     gpus: int
@@ -69,6 +79,8 @@ class ParallelPlan:
     shared_expert_overlap: bool = False
     ep_comm_overlap: bool = False
     defer_wgrad: bool = False  # Piper's runtime: expert weight gradients after the dispatch gradient is posted
+    overlap_p2p_comm: bool = True
+    moe_grouped_gemm: bool | None = None
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
 
@@ -108,6 +120,10 @@ class ParallelPlan:
         if self.vpp is not None and self.pp == 1:
             raise SpecError("vpp", self.vpp, "interleaving needs pipeline parallelism (pp > 1)",
                             "remove vpp or raise pp")
+        if self.vpp is not None and not self.overlap_p2p_comm and self.pp <= 2:
+            raise SpecError("overlap_p2p_comm", False, "interleaving without p2p overlap needs pp > 2 "
+                            f"(got pp={self.pp}; Megatron validate_args: multiple sends between the same two ranks "
+                            "in one batch)", "keep overlap_p2p_comm on, or raise pp")
         if self.sequence_parallel and self.tp == 1:
             raise SpecError("sequence_parallel", True, "has no effect with tp=1 (Megatron turns it off)",
                             "set sequence_parallel to false, or tp > 1")
@@ -183,3 +199,12 @@ class ParallelPlan:
     @property
     def virtual_stages(self) -> int:
         return self.vpp or 1
+
+    def grouped_gemm_on(self, accelerator: AcceleratorSpec) -> bool:
+        """Whether the local experts run as grouped GEMMs on ``accelerator`` (:func:`grouped_gemm`)."""
+        return grouped_gemm(self.moe_grouped_gemm, accelerator)
+
+
+def grouped_gemm(setting: bool | None, accelerator: AcceleratorSpec) -> bool:
+    """A plan's ``moe_grouped_gemm``, or where it is None the accelerator's default."""
+    return accelerator.grouped_gemm if setting is None else setting

@@ -3,9 +3,12 @@
 A GEMM ``[m, k] x [k, n]`` (``batch`` of them) takes
 ``max(2 m n k / (peak x gemm_efficiency), bytes / (hbm x hbm_efficiency)) + kernel latency``
 with ``bytes = 2 (m k + k n + m n)`` (Williams et al., "Roofline", CACM 2009). Skinny expert GEMMs
-(few tokens per expert) fall on the memory side and pay the launch latency per expert -- the
-"small, imbalanced expert GEMM" bottleneck of the Piper paper. Element-wise work (norms,
-activations, softmax, permutation) is priced by the bytes it moves through HBM.
+(few tokens per expert) fall on the memory side and, run one expert at a time (Megatron's
+``SequentialMLP``), pay the launch latency per expert -- the "small, imbalanced expert GEMM"
+bottleneck of the Piper paper; with ``--moe-grouped-gemm`` each expert linear is one grouped GEMM
+over the local experts, whose launches overlap on four streams (:func:`grouped_gemm_time`).
+Element-wise work (norms, activations, softmax, permutation) is priced by the bytes it moves
+through HBM.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 from piper_core.resource.activations import busiest_rows
 from piper_core.specs.cluster import AcceleratorSpec
 from piper_core.specs.model import ModelSpec
+from piper_core.specs.parallel import grouped_gemm
 
 BYTES = 2  # bf16 / fp16 activations and weights
 
@@ -57,6 +61,7 @@ class LayerShape:
     chunks: int
     shared_overlap: bool = False
     deferred_wgrad: bool = False  # expert weight gradients computed while the dispatch gradient is in flight
+    grouped_gemm: bool | None = None  # the plan's moe_grouped_gemm (None: the accelerator's default)
     ep_overlap: float = 0.0  # share of micro-batches whose exchanges Megatron's EP overlap hides
 
     def tokens_for(self, model: ModelSpec) -> int:
@@ -97,15 +102,42 @@ def attention_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec)
 
 
 def mlp_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec, tokens: float, ffn: int, split: int,
-                *, count: int = 1) -> float:
-    """``count`` MLPs of width ``ffn`` split ``split`` ways, each over ``tokens`` tokens."""
+                *, count: int = 1, grouped: bool = False) -> float:
+    """``count`` MLPs of width ``ffn`` split ``split`` ways, each over ``tokens`` tokens; ``grouped``
+    runs each linear of the ``count`` MLPs as one grouped GEMM (:func:`grouped_gemm_time`) instead of
+    ``count`` GEMMs one after the other (Megatron-Core ``SequentialMLP.forward`` loops over the local
+    experts, transformer/moe/experts.py)."""
     if ffn == 0 or tokens <= 0:
         return 0.0
     width = ffn * (2 if model.gated_linear_unit else 1) / split
+    act = stream_time(acc, BYTES * tokens * (width + ffn / split))  # activation function
+    if grouped:
+        return (grouped_gemm_time(acc, shape.precision, tokens, width, model.hidden_size, count)
+                + grouped_gemm_time(acc, shape.precision, tokens, model.hidden_size, ffn / split, count) + count * act)
     one = gemm_time(acc, shape.precision, tokens, width, model.hidden_size)
     one += gemm_time(acc, shape.precision, tokens, model.hidden_size, ffn / split)
-    one += stream_time(acc, BYTES * tokens * (width + ffn / split))  # activation function
+    one += act
     return count * one
+
+
+GROUPED_GEMM_STREAMS = 4  # Transformer Engine's compute streams (get_num_compute_streams)
+
+
+def grouped_gemm_time(acc: AcceleratorSpec, precision: str, m: float, n: float, k: float, count: int) -> float:
+    """One grouped GEMM of ``count`` m x k by k x n GEMMs (Megatron-Core ``--moe-grouped-gemm``:
+    ``TESpecProvider.grouped_mlp_modules``, extensions/transformer_engine_spec_provider.py, builds
+    ``TEGroupedMLP``, whose ``linear_fc1``/``linear_fc2`` are Transformer Engine ``GroupedLinear``s).
+
+    The roofline terms add up over the GEMMs; the launches do not: Transformer Engine issues the
+    GEMMs from one call on ``GROUPED_GEMM_STREAMS`` compute streams (``multi_stream_cublas_gemm``,
+    transformer_engine/common/gemm/cublaslt_gemm.cu, its default on Hopper), so ``count`` launch
+    latencies overlap four ways: ``ceil(count / 4)`` of them. (A single CUTLASS kernel --
+    ``NVTE_USE_CUTLASS_GROUPED_GEMM``, or the legacy ``GroupedMLP``'s ``gg.ops.gmm`` -- would pay one.)
+    """
+    if count <= 0:
+        return 0.0
+    launches = math.ceil(count / GROUPED_GEMM_STREAMS)
+    return gemm_time(acc, precision, m, n, k, batch=count) + (launches - 1) * acc.kernel_latency_us * 1e-6
 
 
 def expert_tokens(model: ModelSpec, shape: LayerShape) -> tuple[float, float]:
@@ -128,7 +160,8 @@ def moe_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec, *, ch
     router = gemm_time(acc, "fp32", t_local, model.num_experts, model.hidden_size)
     permute = stream_time(acc, 2 * 2 * BYTES * received * model.hidden_size)  # permute + unpermute, r + w
     shared = shared_expert_forward(model, shape, acc)
-    experts = mlp_forward(model, shape, acc, per_expert / chunks, model.moe_ffn_hidden_size, shape.etp, count=local)
+    experts = mlp_forward(model, shape, acc, per_expert / chunks, model.moe_ffn_hidden_size, shape.etp, count=local,
+                          grouped=grouped_gemm(shape.grouped_gemm, acc))
     norm = stream_time(acc, BYTES * t_local * 5 * model.hidden_size)  # pre-MLP norm + residual
     return router + permute + shared + norm, experts
 
@@ -147,6 +180,7 @@ def dense_mlp_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec)
 def host_overhead_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec, *, moe: bool, chunks: int = 1) -> float:
     """Seconds of host framework time of one layer's forward (see :class:`AcceleratorSpec`)."""
     t = acc.layer_overhead_us
-    if moe:
-        t += acc.moe_overhead_us + acc.expert_overhead_us * (model.num_experts // shape.ep) * chunks
+    if moe:  # one expert call per local expert, or one for all of them as grouped GEMMs
+        calls = 1 if grouped_gemm(shape.grouped_gemm, acc) else model.num_experts // shape.ep
+        t += acc.moe_overhead_us + acc.expert_overhead_us * calls * chunks
     return t * 1e-6

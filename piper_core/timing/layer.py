@@ -49,7 +49,8 @@ def shape_of(plan: ParallelPlan) -> LayerShape:
     return LayerShape(tp=plan.tp, cp=plan.cp, ep=plan.ep, etp=plan.etp_size, sp=plan.sequence_parallel,
                       mbs=plan.micro_batch_size, recompute=plan.recompute, attention_backend=plan.attention_backend,
                       precision=plan.precision, a2a=plan.a2a, chunks=plan.a2a_chunks,
-                      shared_overlap=plan.shared_expert_overlap, ep_overlap=overlap, deferred_wgrad=plan.defer_wgrad)
+                      shared_overlap=plan.shared_expert_overlap, ep_overlap=overlap, deferred_wgrad=plan.defer_wgrad,
+                      grouped_gemm=plan.moe_grouped_gemm)
 
 
 def _tp_comm(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, blocks: int) -> tuple[float, float]:

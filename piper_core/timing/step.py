@@ -6,7 +6,8 @@ p2p), 1F1B is simulated pass by pass (:mod:`piper_core.timing.schedule`); its cl
 ``(m - 1) max_p T_p + sum_p T_p`` (Narayanan et al., arXiv 2104.04473, Sec. 2.2; X-MoE's planner)
 is exact when the last stage is the slowest and an upper bound otherwise, and serves the search's
 fast path. Interleaving over ``vpp`` chunks divides the fill/drain part by ``vpp`` (closed form) and
-sends ``vpp`` times as many p2p messages.
+sends ``vpp`` times as many p2p messages, which Megatron overlaps with the neighbouring chunk's
+pass in the steady state (``overlap_p2p_comm``, :func:`p2p_exposed`).
 Data-parallel gradient reduce-scatter (all-reduce without the distributed optimizer) overlaps the
 last micro-batch's backward and parameter all-gather the first forward, except one bucket each
 (Megatron ``overlap_grad_reduce`` / ``overlap_param_gather``, 40M-parameter buckets).
@@ -108,10 +109,37 @@ def _stage_layer_kinds(model: ModelSpec, plan: ParallelPlan) -> tuple[Kinds, ...
 _KINDS: dict[tuple, tuple[Kinds, ...]] = {}
 
 
-def _p2p_time(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> float:
+def _p2p_message(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> float:
+    """One model chunk's boundary activation ``[s/cp, b, h]`` (split over tp with SP) sent to the
+    neighbouring pipeline rank (seconds; 0 without pipeline parallelism)."""
     act = model.seq_length // plan.cp * plan.micro_batch_size * model.hidden_size * BYTES
     act //= plan.tp if plan.sequence_parallel else 1
-    return 2 * plan.virtual_stages * comm.p2p(dense_groups(plan)["pp"], act, cluster) if plan.pp > 1 else 0.0
+    return comm.p2p(dense_groups(plan)["pp"], act, cluster) if plan.pp > 1 else 0.0
+
+
+def p2p_exposed(message: float, plan: ParallelPlan, rank: int, compute: float, other: float) -> float:
+    """Exposed p2p seconds per micro-batch on pipeline rank ``rank``, whose compute and other exposed
+    communication per micro-batch are ``compute`` and ``other``; ``message`` is one send.
+
+    Without interleaving, or with ``--no-overlap-p2p-communication``, every chunk's forward and
+    backward send is waited for: ``2 vpp`` messages. With interleaving and ``overlap_p2p_comm``
+    (Megatron-Core ``forward_backward_pipelining_with_interleaving``, pipeline_parallel/schedules.py),
+    in the steady state ``pp_post_forward`` posts a forward chunk's send/recv and the next
+    ``pp_pre_forward`` waits for it after one backward chunk has run, and ``pp_post_backward``'s wait
+    comes after one forward chunk: each exposes ``max(0, message - that pass)``. The warm-up forwards
+    and the cool-down backwards (``get_pp_rank_microbatches``: ``2 (pp - rank - 1) + (vpp - 1) pp`` of
+    the ``m vpp`` chunk passes) send and wait (no ``--overlap-p2p-communication-warmup-flush``).
+    """
+    vpp = plan.virtual_stages
+    if vpp == 1 or not plan.overlap_p2p_comm or message == 0.0:
+        return 2 * vpp * message
+    m = plan.num_microbatches
+    passes = m * vpp
+    warmup = min(2 * (plan.pp - rank - 1) + (vpp - 1) * plan.pp, passes)
+    fwd = (compute / 3 + other / 2) / vpp  # one chunk's passes, split as pass_parts splits a stage
+    bwd = (2 * compute / 3 + other / 2) / vpp
+    steady = max(0.0, message - bwd) + max(0.0, message - fwd)
+    return (2 * warmup * message + (passes - warmup) * steady) / m
 
 
 def _sums(kinds: Kinds, costs: dict[tuple[bool, bool], LayerCost]) -> tuple[float, float, float]:
@@ -127,7 +155,7 @@ def _sums(kinds: Kinds, costs: dict[tuple[bool, bool], LayerCost]) -> tuple[floa
 
 def _stage_times(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> tuple[tuple[StageTime, ...], float]:
     shape = shape_of(plan)
-    p2p = _p2p_time(model, plan, cluster)
+    message = _p2p_message(model, plan, cluster)
     stage_kinds_ = _stage_layer_kinds(model, plan)
     costs = {key: _layer(model, shape, cluster, *key) for kinds in stage_kinds_ for key, _ in kinds}
     # per micro-batch host work (embedding, output layer and loss, the schedule's bookkeeping),
@@ -140,6 +168,7 @@ def _stage_times(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
         if rank == plan.pp - 1:
             compute += _logits(model, plan, cluster)
         compute += overhead
+        p2p = p2p_exposed(message, plan, rank, compute, a2a + other)
         out.append(StageTime(stage=rank, compute=compute, a2a=a2a, comm=other, p2p=p2p))
     return tuple(out), raw
 
@@ -281,25 +310,26 @@ class ExchangeVariants:
     differ from ``base`` only in the exchange: ``a2a``, ``a2a_chunks``, ``shared_expert_overlap``,
     ``ep_comm_overlap`` (the search's variants of one base plan).
 
-    Those fields change the MoE layers' cost and nothing else: the dense layers, the logits, p2p,
-    the data-parallel collectives and the optimizer are priced once here, and :meth:`step` re-prices
-    the MoE layer and sums the same terms in the same order as :func:`step_time`. Pipeline ranks
+    Those fields change the MoE layers' cost and nothing else: the dense layers, the logits, the p2p
+    message, the data-parallel collectives and the optimizer are priced once here, and :meth:`step`
+    re-prices the MoE layer, exposes the p2p per rank (:func:`p2p_exposed`, which reads the rank's
+    compute) and sums the same terms in the same order as :func:`step_time`. Pipeline ranks
     with the same layers share their sums. ``cache`` (a dict the caller keeps for one search, i.e.
     one model and cluster) memoises layer costs and the other terms across base plans, each keyed
     by the plan fields its function reads.
     """
 
-    __slots__ = ("model", "cluster", "m", "vpp", "p2p", "logits", "overhead", "opt", "groups", "rank_group",
+    __slots__ = ("model", "cluster", "base", "m", "vpp", "p2p", "logits", "overhead", "opt", "groups", "rank_group",
                  "dense", "moe_keys", "dp_terms", "layers", "exchange")
 
     def __init__(self, model: ModelSpec, base: ParallelPlan, cluster: ClusterSpec, cache: dict | None = None) -> None:
         cache = {} if cache is None else cache
-        self.model, self.cluster = model, cluster
+        self.model, self.cluster, self.base = model, cluster, base
         self.m, self.vpp = base.num_microbatches, base.virtual_stages
         tp, cp, dp, mbs = base.tp, base.cp, base.dp, base.micro_batch_size
         sizes = (model, cluster, tp, cp, dp, base.pp, base.vpp, base.num_layers_in_first_pipeline_stage,
                  base.num_layers_in_last_pipeline_stage, base.ep, base.etp_size)
-        self.p2p = _memo(cache, ("p2p", sizes, mbs, base.sequence_parallel), _p2p_time, model, base, cluster)
+        self.p2p = _memo(cache, ("p2p", sizes, mbs, base.sequence_parallel), _p2p_message, model, base, cluster)
         self.logits = _memo(cache, ("logits", model, cluster, tp, cp, mbs, base.precision), _logits, model, base, cluster)
         self.overhead = cluster.accelerator.microbatch_overhead_us * 1e-6 / base.pp
         self.opt = _memo(cache, ("optimizer", sizes, base.distributed_optimizer, base.optimizer_offload_fraction),
@@ -347,16 +377,25 @@ class ExchangeVariants:
         costs = self.dense.copy()
         for key in self.moe_keys:
             costs[key] = self._moe(plan, key[1])
-        computes, totals = [], []
-        logits, overhead, p2p = self.logits, self.overhead, self.p2p
+        computes, sums = [], []
+        logits, overhead, base, message = self.logits, self.overhead, self.base, self.p2p
         for kinds, last in self.groups:
             compute, a2a, other = _sums(kinds, costs)
             if last:
                 compute += logits
             compute += overhead
             computes.append(compute)
-            totals.append(compute + a2a + other + p2p)
-        pipeline = closed_form([totals[g] for g in self.rank_group], self.m, self.vpp)
+            sums.append((compute, a2a, other))
+        if self.vpp == 1 or not base.overlap_p2p_comm:  # every rank waits for the same sends
+            p2p = p2p_exposed(message, base, 0, 0.0, 0.0)
+            group_totals = [compute + a2a + other + p2p for compute, a2a, other in sums]
+            totals = [group_totals[g] for g in self.rank_group]
+        else:  # overlapped sends: the exposed part depends on the rank's passes and warm-up
+            totals = []
+            for rank, g in enumerate(self.rank_group):
+                compute, a2a, other = sums[g]
+                totals.append(compute + a2a + other + p2p_exposed(message, base, rank, compute, a2a + other))
+        pipeline = closed_form(totals, self.m, self.vpp)
         dp = _exposed_dp([c for _, c in self.dp_terms], [computes[g] for g, _ in self.dp_terms])
         return pipeline + dp + self.opt
 

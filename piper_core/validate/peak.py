@@ -10,7 +10,8 @@ left: the model state).
 
 Predicted: the stage's peak (:attr:`~piper_core.resource.memory.StageMemory.total`) less the fixed
 overhead (a device's CUDA context, NCCL and allocator reserve: not tensors), and the model state
-(weights, gradients, optimizer state).
+(weights, gradients, optimizer state, and the fp32 gradient copy of the step where there is one: it
+lives from the step to the next zero_grad).
 
 The ledger slows the job several-fold: its step times are not timings, and timed runs never use it.
 """
@@ -55,7 +56,7 @@ def peak_row(case: Case, pred: Prediction, summary: dict[str, Any]) -> PeakRow:
     return PeakRow(case=case, measured=tuple(s["peak_tensor_bytes"] for s in stages),
                    predicted=tuple(s.total - s.overhead for s in pred.stages),
                    measured_state=tuple(s["state_tensor_bytes"] for s in stages),
-                   predicted_state=tuple(s.weights + s.gradients + s.optimizer for s in pred.stages))
+                   predicted_state=tuple(s.weights + s.gradients + s.optimizer + s.step_gradients for s in pred.stages))
 
 
 def measure_peak(case: Case, pred: Prediction, *, timeout_s: float = 600.0) -> PeakRow:

@@ -37,7 +37,7 @@ import pytest
 from piper_core.cli.plan import describe
 from piper_core.errors import Infeasible, SpecError
 from piper_core.export import model_flags
-from piper_core.presets import load_model, model_names
+from piper_core.presets import load_cluster, load_model, model_names
 from piper_megatron.args import (
     apply_settings,
     eval_layer_pattern,
@@ -612,3 +612,16 @@ def test_defer_wgrad_flag_plans_deferred_exchanges_and_exports_the_flag():
     assert ("--piper-defer-wgrad", None) in piper_flags(plan)
     plain = planned(SWITCH + PIPER, world=1024).top
     assert job.top.time.step <= plain.time.step
+
+
+def test_the_experts_are_priced_as_the_command_line_runs_them():
+    """Megatron's --moe-grouped-gemm is off by default: without it the plan prices one GEMM per local
+    expert even on a preset whose GPUs usually group them; with it, grouped GEMMs; with
+    --piper-defer-wgrad it is refused by name (the split backward needs the expert linears as torch ops)."""
+    plain = planned(SWITCH + PIPER, world=1024)
+    grouped = planned(SWITCH + PIPER + ["--moe-grouped-gemm"], world=1024)
+    assert load_cluster("dgx-h100").accelerator.grouped_gemm  # the preset's habit
+    assert not plain.top.plan.grouped_gemm_on(plain.cluster.accelerator)
+    assert grouped.top.plan.grouped_gemm_on(grouped.cluster.accelerator)
+    with pytest.raises(SpecError, match=r"--moe-grouped-gemm=True: --piper-defer-wgrad splits .* drop --moe-grouped-gemm"):
+        planned(SWITCH + PIPER + ["--moe-grouped-gemm", "--piper-defer-wgrad"], world=1024)

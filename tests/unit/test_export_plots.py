@@ -42,6 +42,7 @@ MEGATRON_FLAGS = frozenset("""
 --micro-batch-size --global-batch-size --bf16 --fp16 --attention-backend --recompute-granularity
 --recompute-method --recompute-num-layers --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
 --grad-reduce-in-bf16 --optimizer-cpu-offload --optimizer-offload-fraction --use-precision-aware-optimizer
+--moe-grouped-gemm --no-overlap-p2p-communication
 """.split())
 
 

@@ -15,6 +15,8 @@ from piper_core.specs import ParallelPlan
 # 1 % except where the vendor's two-digit figure sits below the exact count of the released
 # architecture: Qwen3-30B-A3B counts 3.353 B (published "3.3B") and DeepSeek-V3 37.55 B
 # (published "37B"); both are within 2 % and the per-tensor count is checked against Megatron.
+# The published active counts are those with the input embedding (active_params' default):
+# without it Qwen3-30B-A3B would be 3.04 B and Qwen3-235B-A22B 21.57 B.
 PUBLISHED = [
     ("mixtral-8x7b", 46.7e9, 12.9e9),
     ("mixtral-8x22b", 141e9, 39e9),
@@ -80,3 +82,23 @@ def test_hardware_flops_add_recompute():
     assert none.model < none.hardware < sel.hardware < full.hardware
     # full recompute repeats one forward: ~1/3 more than the model FLOPs of the layers
     assert full.hardware / none.model == pytest.approx(4 / 3, rel=0.05)
+
+
+def test_active_params_with_and_without_the_input_embedding():
+    """``input_embedding=False`` drops the input-embedding lookups (word embeddings, learned
+    positions); the output layer stays, and with tied embeddings it is the same matrix, so only the
+    positions go. ``piper predict --json`` reports both counts."""
+    from piper_core.presets import load_cluster
+    from piper_core.resource.predict import predict, to_json
+
+    m = load_model("mixtral-8x7b")
+    word = m.padded_vocab(1) * m.hidden_size
+    assert active_params(m) - active_params(m, input_embedding=False) == word
+    classic = dataclasses.replace(load_model("tiny-moe"), position_embedding="learned_absolute")
+    positions = classic.seq_length * classic.hidden_size
+    tied = dataclasses.replace(classic, tie_embeddings=True)
+    classic_word = classic.padded_vocab(1) * classic.hidden_size
+    assert active_params(classic) - active_params(classic, input_embedding=False) == positions + classic_word
+    assert active_params(tied) - active_params(tied, input_embedding=False) == positions
+    out = to_json(predict(m, load_cluster("dgx-h100"), ParallelPlan(gpus=8, ep=8, global_batch_size=8)))
+    assert out["params"]["active"] - out["params"]["active_without_input_embedding"] == word

@@ -171,4 +171,4 @@ def test_top1_explains_the_pick_against_the_runner_up_of_the_whole_search(capsys
     why_one = next(line for line in one.splitlines() if line.startswith("  why:"))
     assert "only feasible plan" not in why_one and "runner-up" in why_one
     assert why_one == next(line for line in three.splitlines() if line.startswith("  why:"))
-    assert "the tie goes to fewer model-parallel ranks (tp*pp*cp*vpp 8 vs 16; cp=2 vs 4" in why_one
+    assert "the tie goes to fewer model-parallel ranks (tp*pp*cp*vpp 16 vs 32; cp=2 vs 4" in why_one

@@ -1,0 +1,180 @@
+"""Timing terms read off Megatron-Core 0.16.1 (issue 15, Deliver 9): pipeline sends overlapped
+under interleaving, grouped expert GEMMs, and the sequence length and capacity factor set from
+the command line."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+
+import pytest
+
+from piper_core.cli.main import main
+from piper_core.cli.parse import parse_parallel, target_model
+from piper_core.errors import SpecError
+from piper_core.export import parallel_flags
+from piper_core.presets import load_cluster, load_model
+from piper_core.specs import ParallelPlan, check_plan
+from piper_core.timing.compute import GROUPED_GEMM_STREAMS, moe_forward
+from piper_core.timing.layer import shape_of
+from piper_core.timing.step import ExchangeVariants, _p2p_message, step_time
+
+H100 = load_cluster("dgx-h100")
+CPU = load_cluster("cpu-local")
+MIXTRAL = load_model("mixtral-8x7b")
+SWITCH = load_model("switch-1t")
+
+
+def plan(model, **kw) -> ParallelPlan:
+    p = ParallelPlan(**kw)
+    check_plan(model, p)
+    return p
+
+
+def _slow_pp(cluster, gb_per_s):
+    """Inter-node links so slow that a pipeline send outlasts a model chunk's passes."""
+    nv, ib = cluster.links
+    return dataclasses.replace(cluster, links=(nv, dataclasses.replace(ib, bandwidth_gb_per_s=gb_per_s)))
+
+
+# ---- 1. pipeline sends under interleaving --------------------------------------------------------
+
+VPP = dict(gpus=64, pp=4, vpp=2, ep=8, global_batch_size=128)  # pp ranks 16 GPUs apart: sends cross nodes
+
+
+def _megatron_exposed(p: ParallelPlan, rank: int, message: float, st) -> float:
+    """The exposed sends per micro-batch of Megatron's interleaved schedule with overlap_p2p_comm:
+    warm-up forwards and cool-down backwards send and wait (get_pp_rank_microbatches); each steady
+    1F1B step hides a forward chunk's send behind one backward chunk and a backward chunk's behind
+    one forward chunk (pp_post_forward / pp_pre_forward, pp_post_backward / pp_pre_backward)."""
+    m, vpp = p.num_microbatches, p.virtual_stages
+    warmup = min(2 * (p.pp - rank - 1) + (vpp - 1) * p.pp, m * vpp)
+    f_chunk = (st.compute / 3 + (st.a2a + st.comm) / 2) / vpp
+    b_chunk = (2 * st.compute / 3 + (st.a2a + st.comm) / 2) / vpp
+    steady = max(0.0, message - b_chunk) + max(0.0, message - f_chunk)
+    return (2 * warmup * message + (m * vpp - warmup) * steady) / m
+
+
+@pytest.mark.parametrize("cluster", [H100, _slow_pp(H100, 0.05)], ids=["fast-links", "slow-links"])
+def test_interleaved_sends_expose_only_what_the_neighbouring_chunk_does_not_hide(cluster):
+    p = plan(MIXTRAL, **VPP)
+    message = _p2p_message(MIXTRAL, p, cluster)
+    assert message > 0
+    t = step_time(MIXTRAL, p, cluster)
+    for st in t.stages:
+        assert st.p2p == pytest.approx(_megatron_exposed(p, st.stage, message, st), rel=1e-12)
+        assert st.p2p < 2 * p.virtual_stages * message  # the old price: every send waited for
+    assert t.stages[0].p2p > t.stages[-1].p2p  # rank 0 has the longest warm-up
+
+
+def test_fast_links_expose_only_the_warm_up_and_cool_down_sends():
+    p = plan(MIXTRAL, **VPP)
+    message = _p2p_message(MIXTRAL, p, H100)
+    for st in step_time(MIXTRAL, p, H100).stages:
+        warmup = min(2 * (p.pp - st.stage - 1) + (p.vpp - 1) * p.pp, p.num_microbatches * p.vpp)
+        assert st.p2p == pytest.approx(2 * warmup * message / p.num_microbatches, rel=1e-12)
+
+
+def test_without_p2p_overlap_or_interleaving_every_send_is_waited_for():
+    off = plan(MIXTRAL, **VPP, overlap_p2p_comm=False)
+    plain = plan(MIXTRAL, gpus=64, pp=4, ep=8, global_batch_size=128)
+    for p in (off, plain):
+        message = _p2p_message(MIXTRAL, p, H100)
+        assert all(st.p2p == 2 * p.virtual_stages * message for st in step_time(MIXTRAL, p, H100).stages)
+    assert step_time(MIXTRAL, plan(MIXTRAL, **VPP), H100).step < step_time(MIXTRAL, off, H100).step
+
+
+def test_the_search_prices_overlapped_sends_as_step_time_does():
+    for kw in (VPP, dict(VPP, overlap_p2p_comm=False), dict(VPP, vpp=None)):
+        p = plan(MIXTRAL, **kw)
+        for cluster in (H100, _slow_pp(H100, 0.05)):
+            assert ExchangeVariants(MIXTRAL, p, cluster).step(p) == step_time(MIXTRAL, p, cluster, exact=False).step
+
+
+def test_p2p_overlap_rules_and_flags():
+    with pytest.raises(SpecError, match=r"overlap_p2p_comm=False: interleaving without p2p overlap needs pp > 2 "
+                                        r"\(got pp=2; Megatron validate_args"):
+        ParallelPlan(gpus=16, pp=2, vpp=2, global_batch_size=16, overlap_p2p_comm=False)
+    assert parse_parallel("pp=4,vpp=2,gbs=64,p2pov=0", 64).overlap_p2p_comm is False
+    assert parse_parallel("pp=4,vpp=2,gbs=64", 64).overlap_p2p_comm is True  # Megatron's default
+    on = dict(parallel_flags(MIXTRAL, plan(MIXTRAL, **VPP)))
+    off = dict(parallel_flags(MIXTRAL, plan(MIXTRAL, **VPP, overlap_p2p_comm=False)))
+    assert "--no-overlap-p2p-communication" not in on and off["--no-overlap-p2p-communication"] is None
+
+
+# ---- 2. grouped expert GEMMs ---------------------------------------------------------------------
+
+def test_grouped_gemm_pays_launches_per_grouped_gemm_not_per_expert():
+    p = plan(MIXTRAL, gpus=8, ep=1, global_batch_size=8)  # 8 local experts
+    local = MIXTRAL.num_experts // p.ep
+    acc = H100.accelerator
+    _, sequential = moe_forward(MIXTRAL, dataclasses.replace(shape_of(p), grouped_gemm=False), acc)
+    _, grouped = moe_forward(MIXTRAL, dataclasses.replace(shape_of(p), grouped_gemm=True), acc)
+    launches_saved = 2 * (local - math.ceil(local / GROUPED_GEMM_STREAMS))  # fc1 and fc2
+    assert sequential - grouped == pytest.approx(launches_saved * acc.kernel_latency_us * 1e-6, rel=1e-9)
+
+
+def test_gpu_presets_group_the_experts_and_cpu_ranks_do_not():
+    p = plan(MIXTRAL, gpus=8, ep=1, global_batch_size=8)
+    grouped, sequential = (dataclasses.replace(p, moe_grouped_gemm=v) for v in (True, False))
+    assert H100.accelerator.grouped_gemm and not CPU.accelerator.grouped_gemm
+    assert step_time(MIXTRAL, p, H100).step == step_time(MIXTRAL, grouped, H100).step
+    assert step_time(MIXTRAL, p, H100).compute < step_time(MIXTRAL, sequential, H100).compute
+    tiny = load_model("tiny-moe")
+    small = plan(tiny, gpus=2, ep=2, global_batch_size=8)
+    sequential_small = dataclasses.replace(small, moe_grouped_gemm=False)
+    assert step_time(tiny, small, CPU).step == step_time(tiny, sequential_small, CPU).step
+    assert dict(parallel_flags(MIXTRAL, p, H100.accelerator))["--moe-grouped-gemm"] is None
+    assert "--moe-grouped-gemm" not in dict(parallel_flags(MIXTRAL, p, CPU.accelerator))
+    assert parse_parallel("ep=8,gbs=8,grouped_gemm=0", 8).moe_grouped_gemm is False
+
+
+# ---- 3. sequence length and capacity factor from the command line --------------------------------
+
+def _args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"model": "switch-1t", "seq_length": None, "capacity_factor": None} | kw)
+
+
+def test_seq_length_and_capacity_factor_reach_the_model():
+    assert target_model(_args()) == SWITCH
+    model = target_model(_args(seq_length="4096", capacity_factor="1.5"))
+    assert (model.seq_length, model.moe_capacity_factor) == (4096, 1.5)
+    assert target_model(_args(capacity_factor="none")).moe_capacity_factor is None
+
+
+def test_predict_prices_the_given_sequence_length(capsys):
+    argv = ["predict", "switch-1t", "--cluster", "dgx-h100", "--gpus", "1024", "--parallel",
+            "ep=512,mbs=2,gbs=2048,a2a=hierarchical"]
+    assert main(argv + ["--json"]) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--seq-length", "4096", "--capacity-factor", "1.5", "--json"]) == 0
+    longer = json.loads(capsys.readouterr().out)
+    assert longer["flops_per_step"]["tokens"] == 2 * base["flops_per_step"]["tokens"] == 2048 * 4096
+    assert longer["time_s"]["step"] > base["time_s"]["step"]
+    assert main(argv + ["--seq-length", "4096", "--capacity-factor", "none"]) == 0
+    assert capsys.readouterr().out.startswith(
+        "piper predict: switch-1t (seq_length 4096, moe_capacity_factor none (dropless)) on dgx-h100")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seq-length", "4k"], r"--seq-length='4k': must be a whole number of tokens; write e.g. --seq-length 4096"),
+    (["--seq-length", "0"], r"--seq-length=0: must be positive"),
+    (["--capacity-factor", "big"], r"--capacity-factor='big': must be a number or 'none' \(dropless\)"),
+    (["--capacity-factor", "-1"], r"--capacity-factor=-1.0: must be a finite positive number"),
+])
+@pytest.mark.parametrize("command", ["predict", "plan"])
+def test_bad_model_settings_exit_2_naming_key_value_rule_and_fix(capsys, flags, message, command):
+    tail = ["--parallel", "ep=2,gbs=8"] if command == "predict" else []
+    assert main([command, "tiny-moe", "--cluster", "cpu-local", "--gpus", "2"] + flags + tail) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_capacity_factor_needs_experts():
+    dense = dataclasses.replace(load_model("tiny-moe"), name="dense", num_experts=0, moe_ffn_hidden_size=None,
+                                moe_capacity_factor=None)
+    with pytest.raises(SpecError, match=r"--capacity-factor='1.0': applies to MoE models; dense has no routed experts"):
+        from piper_core.cli import parse
+        parse._capacity_factor(dense, "1.0")
