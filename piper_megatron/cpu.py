@@ -199,6 +199,27 @@ def _patch_rng_tracker() -> None:
 
 
 @functools.lru_cache(maxsize=8)
+def _patch_checkpoint_rng() -> None:
+    """Full recompute (``CheckpointFunction``) saves and restores every generator's state around the
+    recomputed forward (``_get_all_rng_states`` / ``_set_all_rng_states`` in
+    megatron/core/tensor_parallel/random.py); its CUDA part calls ``torch.cuda.get_rng_state``, which a
+    CPU build lacks. On the host there is no CUDA generator: the CPU generator (saved beside it) and
+    the tracker's states (host generators, :func:`_patch_rng_tracker`) are the whole state, so the CUDA
+    part becomes an empty state that restores nothing."""
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    if getattr(random._get_cuda_rng_state, _MARK, False):
+        return
+
+    def get_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_state(new_state: Any, device: int = -1, graph_safe: bool = False) -> None:
+        return None
+
+    setattr(get_state, _MARK, True)
+    random._get_cuda_rng_state, random._set_cuda_rng_state = get_state, set_state
+
+
 def _host_causal_mask(sq: int) -> torch.Tensor:
     """[sq, sq] bool, True above the diagonal: the positions a causal query must not see."""
     return torch.ones(sq, sq, dtype=torch.bool).triu(diagonal=1)
@@ -257,6 +278,7 @@ def install_cpu_shims() -> None:
     _patch_split_sizes()
     _patch_router_gemm()
     _patch_rng_tracker()
+    _patch_checkpoint_rng()
     _patch_causal_mask()
     _patch_mla_te_guard()
     _patch_tied_embedding_sync()

@@ -3,7 +3,8 @@
 A suite is a YAML file committed before the measurements that use it (the format is described at
 the top of ``suites/full.yaml``); ``results.json`` records its name, path and sha256 beside the
 commit, so a figure can be traced to the suite it was registered in. Every case of a suite is
-counted in its headline figures; a subset (``where``: framework, ranks per node, nodes, topology)
+counted in its headline figures; a subset (``where``: framework, ranks per node, nodes, topology,
+family: the suite model a case derives from)
 is a figure shown beside the headline, never instead of it. Bad input is a :class:`SpecError`
 naming the file, the case, the key, the value, the rule and the fix.
 """
@@ -27,7 +28,7 @@ SUITES = Path(__file__).with_name("suites")
 FRAMEWORKS = ("megatron", "deepspeed")
 TOP_KEYS = ("suite", "models", "models_from", "plan_defaults", "cases", "subsets")
 CASE_KEYS = ("name", "group", "model", "model_overrides", "gpus", "plan", "nodes", "inter_node_mbit", "framework")
-WHERE_KEYS = ("framework", "ranks_per_node", "nodes", "topology")
+WHERE_KEYS = ("framework", "ranks_per_node", "nodes", "topology", "family")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -42,6 +43,7 @@ class Case:
     nodes: int = 1
     inter_node_mbit: float | None = None
     framework: str = "megatron"
+    family: str = ""  # the suite's model the case's model derives from
 
     @property
     def ranks_per_node(self) -> int:
@@ -145,7 +147,7 @@ def _case(raw: Any, index: int, models: dict[str, ModelSpec], defaults: dict[str
                         where=where)
     model = _model(models[raw["model"]], raw.get("model_overrides") or {}, f"{where}: {label}")
     return Case(name=raw["name"], group=raw["group"], model=model, plan=plan, nodes=nodes,
-                inter_node_mbit=None if mbit is None else float(mbit), framework=framework)
+                inter_node_mbit=None if mbit is None else float(mbit), framework=framework, family=raw["model"])
 
 
 def _subset(raw: Any, index: int, where: str) -> Subset:

@@ -79,6 +79,16 @@ def test_the_case_list_meets_the_issue():
     full = {c.name: c for c in CASES}
     assert all(full[c.name] == c for c in select(None, quick=True))
     assert not any(hasattr(c, "excluded") for c in CASES)
+    # four model families; the plan features the CPU trainers run
+    assert {c.family for c in CASES} >= {"val-moe", "rms-swiglu", "shared-moe", "fine-moe"}
+    assert {c.model.moe_router_topk for c in CASES} >= {1, 2, 4}
+    assert any(c.model.moe_capacity_factor is None for c in CASES)  # dropless, the load as routed
+    assert any(c.model.moe_shared_expert_intermediate_size for c in CASES)
+    assert any(c.model.normalization == "RMSNorm" and c.model.gated_linear_unit for c in CASES)
+    assert {c.plan.recompute for c in CASES} == {"none", "selective", "full"}
+    assert {(c.plan.a2a, c.plan.a2a_chunks > 1) for c in CASES if c.plan.ep > 1} >= \
+        {("flat", False), ("flat", True), ("hierarchical", False), ("hierarchical", True)}
+    assert {(c.nodes, c.ranks_per_node) for c in CASES} >= {(1, 2), (1, 4), (2, 1), (2, 2)}
     ds = [c for c in CASES if c.framework == "deepspeed"]  # DeepSpeed with Piper's layer: ep > 1, SDPA
     assert ds and all(c.plan.ep > 1 and c.plan.attention_backend == "flash" and c.plan.pp == 1 for c in ds)
     assert {c.topology for c in ds} == {"local-2-deepspeed"}
