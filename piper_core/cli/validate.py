@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 DEFAULT_PROFILES = Path(".piper/profiles")
 
@@ -107,13 +108,13 @@ def run(args: argparse.Namespace) -> int:
     return 0 if passed(v) else 1
 
 
-def _peak_only(args: argparse.Namespace, suite: object, cases: tuple) -> int:
+def _peak_only(args: argparse.Namespace, suite: Any, cases: tuple) -> int:
     """``--peak-only``: each case's memory job, against the model's peak (cpu-local preset)."""
     from piper_core.cli.progress import Progress
     from piper_core.presets import load_cluster
     from piper_core.resource.predict import predict
     from piper_core.validate.compare import MEMORY_LIMIT
-    from piper_core.validate.peak import measure_peak, peak_figures, peak_json, peak_lines
+    from piper_core.validate.peak import measure_peak, peak_figures, peak_json, peak_lines, peak_subsets, subset_lines
     from piper_core.validate.report import provenance
 
     cluster = load_cluster("cpu-local")
@@ -124,12 +125,13 @@ def _peak_only(args: argparse.Namespace, suite: object, cases: tuple) -> int:
         rows.append(measure_peak(case, predict(case.model, cluster, case.plan)))
     progress(len(cases), len(cases))
     figures = peak_figures(rows, MEMORY_LIMIT)
-    print("\n".join(peak_lines(rows, figures, MEMORY_LIMIT)))
+    subsets = peak_subsets(rows, suite.subsets, MEMORY_LIMIT)
+    print("\n".join(peak_lines(rows, figures, MEMORY_LIMIT) + subset_lines(subsets)))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         record = provenance(suite, {}) | {"cluster": cluster.name,
                                           "peak_rows": [{"case": r.case.name} | peak_json(r) for r in rows],
-                                          "peak": figures | {"limit": MEMORY_LIMIT}}
+                                          "peak": figures | {"limit": MEMORY_LIMIT}, "peak_subsets": subsets}
         args.json.write_text(json.dumps(record, indent=1))
         print(f"wrote {args.json}")
     return 0 if figures["peak_ok"] else 1

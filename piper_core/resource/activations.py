@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from piper_core.errors import Infeasible, SpecError
 from piper_core.specs.model import ModelSpec
@@ -45,7 +46,11 @@ class Kernels:
     kept too. ``dropout_mask_bytes``: CUDA's ``native_dropout`` keeps a bool mask; CPU's dropout keeps
     the mask in the activation dtype (2). ``norm_stats_bytes``: fp32 mean/rstd on CUDA; torch's CPU
     LayerNorm keeps them in bf16 (2). ``router_aux_loss``: ``moe_aux_loss_coeff > 0`` (Megatron's
-    default coefficient is 0) keeps a second fp32 softmax over all experts.
+    default coefficient is 0) keeps a second fp32 softmax over all experts. ``rms_norm_input_bytes``:
+    what an RMSNorm keeps of its input per element; 0 is the input itself in the activation dtype (the
+    CUDA kernel, Transformer Engine); torch's host ``rms_norm`` is a decomposition that keeps two fp32
+    copies of it instead (8: its fp32 upcast and the normalized product, measured on torch 2.13 with
+    saved-tensor hooks, tests/runtime/test_activations_host.py).
     """
 
     rope_fusion: bool = True
@@ -53,14 +58,27 @@ class Kernels:
     dropout_mask_bytes: int = _BOOL
     norm_stats_bytes: int = _FP32
     router_aux_loss: bool = False
+    rms_norm_input_bytes: int = 0
 
     def __post_init__(self) -> None:
         for key in ("dropout_mask_bytes", "norm_stats_bytes"):
             if getattr(self, key) not in (1, 2, 4):
                 raise SpecError(key, getattr(self, key), "is an element size in bytes", "use 1, 2 or 4")
+        if self.rms_norm_input_bytes < 0:
+            raise SpecError("rms_norm_input_bytes", self.rms_norm_input_bytes, "is bytes per element (0: the input "
+                            "in the activation dtype)", "use 0 or a positive byte count")
 
 
 GPU_DEFAULTS = Kernels()
+HOST_KERNELS = Kernels(rope_fusion=False, bias_activation_fusion=False, dropout_mask_bytes=2, norm_stats_bytes=2,
+                       rms_norm_input_bytes=8)
+"""Piper's CPU trainers (piper_megatron.train: no CUDA fusions, ``bias_activation_fusion=False``) on
+torch's host kernels."""
+
+
+def kernels_for(accelerator: Any) -> Kernels:
+    """The kernels of ``accelerator`` (its ``kernels``: ``cuda`` or ``cpu``)."""
+    return HOST_KERNELS if getattr(accelerator, "kernels", "cuda") == "cpu" else GPU_DEFAULTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +102,8 @@ def _dims(model: ModelSpec, plan: ParallelPlan) -> _Dims:
 def _norm_terms(model: ModelSpec, d: _Dims, k: Kernels, name: str, out: dict[str, int]) -> None:
     """A norm keeps its input and its statistics (mean and rstd for LayerNorm, rstd for RMSNorm)."""
     stats = 2 if model.normalization == "LayerNorm" else 1
-    out[f"{name}.input"] = d.local * model.hidden_size * d.act  # native_layer_norm / TE LayerNorm saves input
+    kept = k.rms_norm_input_bytes if model.normalization == "RMSNorm" and k.rms_norm_input_bytes else d.act
+    out[f"{name}.input"] = d.local * model.hidden_size * kept  # native_layer_norm / TE LayerNorm saves input
     out[f"{name}.stats"] = d.local * stats * k.norm_stats_bytes  # [T_l, 1] mean/rstd
 
 

@@ -118,18 +118,20 @@ def in_flight_chunks(plan: ParallelPlan, rank: int) -> int:
 
 
 @functools.lru_cache(maxsize=65536)
-def _layer_bytes(model: ModelSpec, plan: ParallelPlan, moe: bool) -> int:
-    return activations.layer_activation_bytes(model, plan, moe=moe)
+def _layer_bytes(model: ModelSpec, plan: ParallelPlan, moe: bool, kernels: activations.Kernels) -> int:
+    return activations.layer_activation_bytes(model, plan, moe=moe, kernels=kernels)
 
 
-def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: tuple[tuple[bool, ...], ...]) -> int:
+def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: tuple[tuple[bool, ...], ...],
+                       kernels: activations.Kernels = activations.GPU_DEFAULTS) -> int:
     """Activation bytes rank ``rank`` keeps at its peak (all in-flight micro-batches).
 
-    ``chunks`` holds, per model chunk of the rank, whether each layer is a MoE layer.
+    ``chunks`` holds, per model chunk of the rank, whether each layer is a MoE layer; ``kernels``
+    what the accelerator's kernels keep (:func:`activations.kernels_for`).
     """
     plain = dataclasses.replace(plan, recompute="none", recompute_num_layers=None) if plan.recompute == "full" else plan
     kinds = {moe for chunk in chunks for moe in chunk}
-    full = {moe: _layer_bytes(model, plain, moe) for moe in kinds}
+    full = {moe: _layer_bytes(model, plain, moe, kernels) for moe in kinds}
     n = plan.recompute_num_layers or 1
     per_mb = 0       # bytes one micro-batch keeps on this rank, summed over its chunks
     transient = 0    # full recompute: one checkpointed group rebuilt in backward
@@ -145,14 +147,15 @@ def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: 
         per_mb += sum(full[moe] for moe in kept)
         if redo:
             # a checkpointed group keeps only its input (the activation model's full-recompute term)
-            checkpoint = activations.layer_activation_bytes(model, plan, moe=False, recomputed=True)
+            checkpoint = activations.layer_activation_bytes(model, plan, moe=False, recomputed=True, kernels=kernels)
             per_mb += math.ceil(len(redo) / group) * checkpoint
             transient = max(transient, sum(full[moe] for moe in redo[:group]))
     held = in_flight_chunks(plan, rank) * per_mb / len(chunks)
     if rank == 0:
-        held += in_flight_chunks(plan, rank) / len(chunks) * activations.embedding_activation_bytes(model, plan)
+        held += in_flight_chunks(plan, rank) / len(chunks) * activations.embedding_activation_bytes(model, plan,
+                                                                                                  kernels=kernels)
     if rank == plan.pp - 1:
-        held += activations.output_activation_bytes(model, plan)
+        held += activations.output_activation_bytes(model, plan, kernels=kernels)
     return math.ceil(held + transient)
 
 
@@ -193,12 +196,13 @@ def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
     out = []
     params = stage_params(model, plan)
     buffers, last_buffers = _buffers(model, plan)
+    kernels = activations.kernels_for(cluster.accelerator)
     for rank, chunks in enumerate(stage_kinds(model, plan)):
         state = _state_bytes(params[rank], plan)
         out.append(StageMemory(
             stage=rank, layers=sum(len(c) for c in chunks), params=params[rank], weights=state.weights,
             gradients=state.gradients, optimizer=state.optimizer, step_gradients=state.step_gradients,
-            activations=_stage_activations(model, plan, rank, chunks),
+            activations=_stage_activations(model, plan, rank, chunks, kernels),
             buffers=last_buffers if rank == plan.pp - 1 else buffers,
             overhead=round(cluster.memory_overhead_gib * GIB), host=state.host,
         ))

@@ -45,6 +45,11 @@ class AcceleratorSpec:
     kernels; the GPU presets, as Megatron-Bridge's MoE recipes set it) or one GEMM per expert
     (``SequentialMLP``: Megatron's own default, and the only choice on CPU ranks). A plan's
     ``moe_grouped_gemm`` overrides it.
+
+    ``kernels``: which kernels the framework's layers run, for what they keep for backward
+    (:func:`piper_core.resource.activations.kernels_for`): ``cuda`` (the default: Megatron's fused
+    CUDA kernels) or ``cpu`` (Piper's CPU trainers: torch's host decompositions, e.g. RMSNorm keeping
+    two fp32 copies of its input, and SwiGLU unfused).
     """
 
     name: str
@@ -64,6 +69,7 @@ class AcceleratorSpec:
     microbatch_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
     grouped_gemm: bool = False
+    kernels: Literal["cuda", "cpu"] = "cuda"
 
     def __post_init__(self) -> None:
         for key in ("layer_overhead_us", "moe_overhead_us", "expert_overhead_us", "backward_overhead_factor",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from piper_core.resource.predict import Prediction
-from piper_core.validate.suite import Case
+from piper_core.validate.suite import Case, Subset
 
 MIB = 2**20
 PEAK_STEPS = 2
@@ -103,4 +103,22 @@ def peak_lines(rows: list[PeakRow], figures: dict[str, Any], limit: float) -> li
     lines.append(f"peak tensor memory: mean |error| {100 * figures['peak_mean_abs_error']:.1f}%, worst "
                  f"{100 * figures['worst_peak_error']:+.1f}% on {figures['worst_peak_case']} (limit "
                  f"{100 * limit:.0f}%): {ok}")
+    return lines
+
+
+def peak_subsets(rows: list[PeakRow], subsets: tuple[Subset, ...], limit: float) -> dict[str, Any]:
+    """Each registered subset's peak figures (beside the headline over every row, never instead)."""
+    out = {}
+    for sub in subsets:
+        members = [r for r in rows if sub.matches(r.case)]
+        if members:
+            out[sub.name] = {"why": sub.why, "case_names": [r.case.name for r in members]} | peak_figures(members, limit)
+    return out
+
+
+def subset_lines(subsets: dict[str, Any]) -> list[str]:
+    lines = ["beside it (never instead), the subsets the suite registered:"] if subsets else []
+    for name, f in subsets.items():
+        lines.append(f"  {name} ({f['peak_cases']} runs): mean |error| {100 * f['peak_mean_abs_error']:.1f}%, worst "
+                     f"{100 * f['worst_peak_error']:+.1f}% on {f['worst_peak_case']}")
     return lines

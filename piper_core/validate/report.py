@@ -17,7 +17,7 @@ from typing import Any
 
 from piper_core.export import plan_label
 from piper_core.validate.compare import Row, verdict
-from piper_core.validate.peak import PeakRow, peak_from_json, peak_lines
+from piper_core.validate.peak import PeakRow, peak_from_json, peak_lines, subset_lines
 from piper_core.validate.suite import Suite, load_suite
 
 
@@ -143,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     data = json.loads(a.results.read_text())
     if "peak_rows" in data:  # piper validate --peak-only
-        print("\n".join(peak_lines(peak_rows_from_json(data), data["peak"], data["peak"]["limit"])))
+        print("\n".join(peak_lines(peak_rows_from_json(data), data["peak"], data["peak"]["limit"])
+                        + subset_lines(data.get("peak_subsets", {}))))
         return 0
     rows, suite = rows_from_json(data)
     v = verdict(rows, suite.subsets)

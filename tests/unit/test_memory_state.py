@@ -187,10 +187,12 @@ def test_full_recompute_uniform_and_block_layouts():
     tiny = load_model("tiny-moe")  # 4 MoE layers
     base = dict(gpus=1, global_batch_size=1, recompute="full", recompute_num_layers=2)
     none = ParallelPlan(gpus=1, global_batch_size=1)
-    layer = activations.layer_activation_bytes(tiny, none, moe=True)
-    ckpt = activations.layer_activation_bytes(tiny, ParallelPlan(**base), moe=True, recomputed=True)
-    edges = activations.embedding_activation_bytes(tiny, none) + activations.output_activation_bytes(tiny, none)
     cpu = load_cluster("cpu-local")
+    k = activations.kernels_for(cpu.accelerator)  # the host kernels (RMSNorm keeps fp32 copies)
+    layer = activations.layer_activation_bytes(tiny, none, moe=True, kernels=k)
+    ckpt = activations.layer_activation_bytes(tiny, ParallelPlan(**base), moe=True, recomputed=True, kernels=k)
+    edges = activations.embedding_activation_bytes(tiny, none, kernels=k) + \
+        activations.output_activation_bytes(tiny, none, kernels=k)
     uniform = mem(tiny, ParallelPlan(**base, recompute_method="uniform"), cpu)[0].activations
     block = mem(tiny, ParallelPlan(**base, recompute_method="block"), cpu)[0].activations
     assert uniform == 2 * ckpt + 2 * layer + edges
