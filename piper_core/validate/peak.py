@@ -93,10 +93,11 @@ def peak_from_json(case: Case, d: dict[str, Any]) -> PeakRow:
 
 def peak_lines(rows: list[PeakRow], figures: dict[str, Any], limit: float) -> list[str]:
     """The peak table: per case the largest stage's measured / predicted MiB and the worst error."""
-    head = f"{'case':<20} {'peak MiB meas/pred':>19} {'peak err':>8} {'state MiB meas/pred':>20} {'state err':>9}"
+    w = max([20, *(len(r.case.name) for r in rows)])
+    head = f"{'case':<{w}} {'peak MiB meas/pred':>19} {'peak err':>8} {'state MiB meas/pred':>20} {'state err':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.case.name:<20} {f'{max(r.measured) / MIB:.1f}/{max(r.predicted) / MIB:.1f}':>19} "
+        lines.append(f"{r.case.name:<{w}} {f'{max(r.measured) / MIB:.1f}/{max(r.predicted) / MIB:.1f}':>19} "
                      f"{100 * r.error:>+7.1f}% {f'{max(r.measured_state) / MIB:.1f}/{max(r.predicted_state) / MIB:.1f}':>20} "
                      f"{100 * r.state_error:>+8.1f}%")
     ok = "ok" if figures["peak_ok"] else "FAIL"
