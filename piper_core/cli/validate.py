@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     cases = select(args.cases.split(",") if args.cases else None, suite=suite)
     if args.list:
         for c in cases:
-            print(f"{c.name:<20} {c.topology:<18} {c.model.name:<18} {plan_label(c.plan, gbs=True)}")
+            print(f"{c.name:<20} {c.topology:<18} {c.model.name:<18} {plan_label(c.plan, gbs=True)}"
+                  + ("  (stock exchange)" if c.stock else ""))
         return 0
     if args.peak_only:
         return _peak_only(args, suite, cases)

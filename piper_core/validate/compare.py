@@ -127,7 +127,8 @@ def passed(v: dict[str, Any]) -> bool:
 def row_json(r: Row) -> dict[str, Any]:
     from piper_core.export import plan_label
 
-    return {"case": r.case.name, "group": r.case.group, "framework": r.case.framework, "topology": r.case.topology,
+    return {"case": r.case.name, "group": r.case.group, "framework": r.case.framework, "stock": r.case.stock,
+            "topology": r.case.topology,
             "model": r.case.model.name,
             "plan": plan_label(r.case.plan),
             "step_s": {"measured": round(r.measured_step_s, 5), "predicted": round(r.predicted_step_s, 5),

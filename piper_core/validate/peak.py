@@ -64,7 +64,7 @@ def measure_peak(case: Case, pred: Prediction, *, timeout_s: float = 600.0) -> P
     from piper_core import trainers
     from piper_core.validate.instrument import TrainJob, summary
 
-    job = TrainJob(model=case.model, plan=case.plan, steps=PEAK_STEPS, warmup=1, memory=True)
+    job = TrainJob(model=case.model, plan=case.plan, steps=PEAK_STEPS, warmup=1, memory=True, stock=case.stock)
     reports = trainers.get(case.framework).run(job, nodes=case.nodes, inter_node_mbit=case.inter_node_mbit,
                                                timeout_s=timeout_s)
     return peak_row(case, pred, summary(reports))

@@ -28,7 +28,7 @@ def run_case(case: Case, cluster: ClusterSpec, *, steps: int = STEPS, warmup: in
     from piper_core.validate.instrument import TrainJob, summary
     from piper_core.validate.peak import measure_peak
 
-    job = TrainJob(model=case.model, plan=case.plan, steps=steps, warmup=warmup)
+    job = TrainJob(model=case.model, plan=case.plan, steps=steps, warmup=warmup, stock=case.stock)
     reports = trainers.get(case.framework).run(job, nodes=case.nodes, inter_node_mbit=case.inter_node_mbit,
                                                timeout_s=timeout_s, realtime=realtime)
     pred = predict(case.model, cluster, case.plan)

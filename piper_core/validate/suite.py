@@ -27,14 +27,17 @@ from piper_core.specs.yamlio import from_dict, to_dict
 SUITES = Path(__file__).with_name("suites")
 FRAMEWORKS = ("megatron", "deepspeed")
 TOP_KEYS = ("suite", "models", "models_from", "plan_defaults", "cases", "subsets")
-CASE_KEYS = ("name", "group", "model", "model_overrides", "gpus", "plan", "nodes", "inter_node_mbit", "framework")
-WHERE_KEYS = ("framework", "ranks_per_node", "nodes", "topology", "family")
+CASE_KEYS = ("name", "group", "model", "model_overrides", "gpus", "plan", "nodes", "inter_node_mbit", "framework",
+             "stock")
+WHERE_KEYS = ("framework", "ranks_per_node", "nodes", "topology", "family", "stock")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Case:
     """One validation run. ``nodes`` > 1: the emulated cluster, links shaped to ``inter_node_mbit``;
-    ``framework``: the registered trainer that runs it (:mod:`piper_core.trainers`)."""
+    ``framework``: the registered trainer that runs it (:mod:`piper_core.trainers`); ``stock``: with
+    the framework's own exchange (Megatron-Core's alltoall dispatcher, DeepSpeed's MOELayer) instead
+    of Piper's, as users run it today (the plan's exchange must then be flat and unpipelined)."""
 
     name: str
     group: str
@@ -44,6 +47,7 @@ class Case:
     inter_node_mbit: float | None = None
     framework: str = "megatron"
     family: str = ""  # the suite's model the case's model derives from
+    stock: bool = False
 
     @property
     def ranks_per_node(self) -> int:
@@ -142,12 +146,17 @@ def _case(raw: Any, index: int, models: dict[str, ModelSpec], defaults: dict[str
         plan = ParallelPlan(gpus=raw["gpus"], **(defaults | plan_fields))
     except TypeError as exc:
         raise SpecError(f"{label} plan", plan_fields, str(exc), "give ParallelPlan fields", where=where) from exc
+    stock = raw.get("stock", False)
+    if not isinstance(stock, bool) or stock and (plan.a2a != "flat" or plan.a2a_chunks != 1 or plan.defer_wgrad):
+        raise SpecError(f"{label} stock", stock, "is true or false, and a stock case exchanges flat in one piece (the "
+                        "stock dispatchers run nothing else)", "drop a2a/a2a_chunks/defer_wgrad or stock", where=where)
     if plan.gpus % nodes:
         raise SpecError(f"{label} gpus", plan.gpus, f"must be a multiple of nodes ({nodes})", "fix gpus or nodes",
                         where=where)
     model = _model(models[raw["model"]], raw.get("model_overrides") or {}, f"{where}: {label}")
     return Case(name=raw["name"], group=raw["group"], model=model, plan=plan, nodes=nodes,
-                inter_node_mbit=None if mbit is None else float(mbit), framework=framework, family=raw["model"])
+                inter_node_mbit=None if mbit is None else float(mbit), framework=framework, family=raw["model"],
+                stock=stock)
 
 
 def _subset(raw: Any, index: int, where: str) -> Subset:

@@ -89,6 +89,8 @@ def test_the_case_list_meets_the_issue():
     assert {(c.plan.a2a, c.plan.a2a_chunks > 1) for c in CASES if c.plan.ep > 1} >= \
         {("flat", False), ("flat", True), ("hierarchical", False), ("hierarchical", True)}
     assert {(c.nodes, c.ranks_per_node) for c in CASES} >= {(1, 2), (1, 4), (2, 1), (2, 2)}
+    # both paths: the stock exchanges of both frameworks, predicted and counted like Piper's
+    assert {c.framework for c in CASES if c.stock} == {"megatron", "deepspeed"}
     ds = [c for c in CASES if c.framework == "deepspeed"]  # DeepSpeed with Piper's layer: ep > 1, SDPA
     assert ds and all(c.plan.ep > 1 and c.plan.attention_backend == "flash" and c.plan.pp == 1 for c in ds)
     assert {c.topology for c in ds} == {"local-2-deepspeed"}

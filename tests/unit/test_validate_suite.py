@@ -58,6 +58,8 @@ def test_a_suite_loads_with_its_cases_models_and_subsets(tmp_path):
     (("name: b,", "name: a,"), r"cases.name='a': names a second case"),
     (("suite: mine", "suite: mine\nexcluded: [a]"), r"excluded=\['a'\]: is not a suite key"),
     (("{num_experts: 8}", "{num_expert: 8}"), r"model_overrides.num_expert=8"),
+    (("gpus: 2, plan: {ep: 2,", "gpus: 2, stock: true, plan: {a2a: hierarchical, ep: 2,"),
+     r"case 'a' stock=True: is true or false, and a stock case exchanges flat in one piece"),
 ])
 def test_bad_suites_are_refused_naming_the_key_value_and_fix(tmp_path, change, message):
     old, new = change
