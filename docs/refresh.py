@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ("README.md", "docs/megatron.md", "docs/e2e.md", "docs/validation.md", "docs/published.md")
+FILES = ("README.md", "docs/megatron.md", "docs/e2e.md", "docs/validation.md", "docs/published.md", "docs/deepspeed.md")
 MARKS = (re.compile(r"(<!-- run: (?P<cmd>.+?) -->\n```text\n)(?P<out>.*?)(```)", re.S),
          re.compile(r"(<!-- run-md: (?P<cmd>.+?) -->\n)(?P<out>.*?)(<!-- end run-md -->)", re.S))
 VARIES = (re.compile(r"searched ([\d,]+) plans in [\d.]+ s \([\d,]+ plans/s\)"),)
