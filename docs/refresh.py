@@ -18,6 +18,13 @@ and everything between them is replaced::
     | case | ... |
     <!-- end run-md -->
 
+A page whose prose interleaves a command's tables (each table introduced and discussed where it is
+read) is marked once, anywhere in it; every block of the command's output (blocks are separated by
+blank lines) must then appear verbatim somewhere in the page. Such quotes are checked, not
+rewritten: a stale one fails ``--check`` and a rewrite names it for a person to update::
+
+    <!-- check-blocks: python -m piper_core.bench.alltoall_report docs/alltoall/results.json -->
+
 Commands run from the repository root with ``.venv/bin`` first on PATH. The quote is what a user
 sees in a terminal: standard output, then standard error (where errors such as a plan that does
 not fit are printed), whatever the exit status. Search times and rates
@@ -36,9 +43,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ("README.md", "docs/megatron.md", "docs/e2e.md", "docs/validation.md", "docs/published.md", "docs/deepspeed.md")
+FILES = ("README.md", "docs/megatron.md", "docs/e2e.md", "docs/validation.md", "docs/published.md", "docs/deepspeed.md",
+         "docs/alltoall.md")
 MARKS = (re.compile(r"(<!-- run: (?P<cmd>.+?) -->\n```text\n)(?P<out>.*?)(```)", re.S),
          re.compile(r"(<!-- run-md: (?P<cmd>.+?) -->\n)(?P<out>.*?)(<!-- end run-md -->)", re.S))
+BLOCKS = re.compile(r"<!-- check-blocks: (?P<cmd>.+?) -->")
 VARIES = (re.compile(r"searched ([\d,]+) plans in [\d.]+ s \([\d,]+ plans/s\)"),)
 
 
@@ -69,6 +78,16 @@ def stale(text: str) -> list[tuple[str, str, str]]:
         now = run(m["cmd"])
         if mask(now) != mask(m["out"]):
             out.append((m["cmd"], m["out"], now))
+    return out + missing_blocks(text)
+
+
+def missing_blocks(text: str) -> list[tuple[str, str, str]]:
+    """(command, "", block) for every block a ``check-blocks`` command prints that the page lacks."""
+    out, body = [], mask(BLOCKS.sub("", text))  # the marks themselves are not quotes
+    for m in BLOCKS.finditer(text):
+        for block in (b.strip() for b in run(m["cmd"]).split("\n\n")):
+            if block and mask(block) not in body:
+                out.append((m["cmd"], "", block + "\n"))
     return out
 
 
@@ -81,13 +100,17 @@ def main(argv: list[str]) -> int:
         if check:
             for cmd, quoted, now in stale(text):
                 bad += 1
-                print(f"{name}: stale output of `{cmd}`", file=sys.stderr)
+                print(f"{name}: stale output of `{cmd}`" + (f"; the page lacks the block starting "
+                      f"{now.splitlines()[0]!r}" if not quoted else ""), file=sys.stderr)
                 for a, b in zip(mask(quoted).splitlines(), mask(now).splitlines()):
                     if a != b:
                         print(f"  quoted: {a}\n  now:    {b}", file=sys.stderr)
                         break
         else:
             path.write_text(refresh(text))
+            for cmd, _, block in missing_blocks(text):  # checked, not rewritten: a person places them
+                bad += 1
+                print(f"{name}: `{cmd}` prints a block the page lacks; update the page:\n{block}", file=sys.stderr)
     if bad:
         print("run `python docs/refresh.py` to update", file=sys.stderr)
     return 1 if bad else 0

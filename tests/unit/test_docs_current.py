@@ -25,13 +25,22 @@ def _refresh():
 def test_quoted_outputs_are_current(name):
     refresh = _refresh()
     text = (ROOT / name).read_text()
-    assert sum(len(mark.findall(text)) for mark in refresh.MARKS) >= 1, f"{name} lost its quoted command outputs"
+    marks = sum(len(mark.findall(text)) for mark in (*refresh.MARKS, refresh.BLOCKS))
+    assert marks >= 1, f"{name} lost its quoted command outputs"
     stale = refresh.stale(text)
     assert not stale, "\n".join(f"stale: {cmd}\n--- quoted\n{quoted}--- now\n{now}" for cmd, quoted, now in stale)
 
 
 def test_the_pages_with_command_figures_are_all_kept():
     assert {"README.md", "docs/megatron.md", "docs/e2e.md", "docs/validation.md"} <= set(_refresh().FILES)
+
+
+def test_a_block_the_page_lacks_is_stale():
+    """check-blocks: every block the command prints must be in the page; one missing fails."""
+    refresh = _refresh()
+    page = "<!-- check-blocks: printf 'a\\n\\nb\\n' -->\n\nprose\n\na\n\nmore prose\n\nb\n"
+    assert refresh.stale(page) == []
+    assert [block for _, _, block in refresh.stale(page.replace("\nb\n", "\nc\n"))] == ["b\n"]
 
 
 def test_masking_hides_only_the_search_time():
