@@ -36,12 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         choice = plan_for(config, a.world_size, pipeline=a.pipeline)
-    except SpecError as exc:
+    except (SpecError, Infeasible) as exc:  # a refused config: 2; nothing fits: 1
         print(f"python -m piper_deepspeed.plan: {exc}", file=sys.stderr)
-        return 2
-    except Infeasible as exc:
-        print(f"python -m piper_deepspeed.plan: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, SpecError) else 1
     rewritten, changes = rewrite_config(config, choice)
     if a.json:
         print(json.dumps({"plan": plan_label(choice.plan, gbs=True), "world_size": a.world_size,
