@@ -87,8 +87,9 @@ def sequential_experts(rule: Rule, plan: ParallelPlan) -> bool:
     return rule in (deepspeed_stock, deepspeed_piper) or (rule is megatron_piper and plan.defer_wgrad)
 
 
-def without_grouped_gemm(cluster: ClusterSpec) -> ClusterSpec:
-    """``cluster`` whose plans run their experts one GEMM each by default (a runtime without grouped GEMM)."""
-    if not cluster.accelerator.grouped_gemm:
+def with_grouped_gemm(cluster: ClusterSpec, grouped: bool) -> ClusterSpec:
+    """``cluster`` whose plans run their experts as grouped GEMMs by default (``grouped``) or one GEMM
+    each (a runtime without grouped GEMM, or a job that does not ask for it)."""
+    if cluster.accelerator.grouped_gemm == grouped:
         return cluster
-    return dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, grouped_gemm=False))
+    return dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, grouped_gemm=grouped))

@@ -51,7 +51,7 @@ from piper_core.resource.memory import GIB
 from piper_core.resource.predict import Prediction, predict, to_json
 from piper_core.runtime import NodeTopology
 from piper_core.runtime.autochunks import ADAPTER_TUNING
-from piper_core.runners import deepspeed_piper, without_grouped_gemm
+from piper_core.runners import deepspeed_piper, with_grouped_gemm
 from piper_core.scheduler.search import Scored, SearchResult, best_predictions, search
 from piper_core.scheduler.space import UNPIPELINED, SearchSpace, default_space
 from piper_core.specs.cluster import ClusterSpec
@@ -177,7 +177,7 @@ def plan_for(config: Mapping[str, Any] | str, world_size: int, *, pipeline: bool
         raise SpecError("zero_optimization.stage", user_stage, "DeepSpeed's pipeline engine runs ZeRO 0 or 1 only",
                         "set zero_optimization.stage to 0 or 1")
     gbs = global_batch(raw, world_size, stages or 1)
-    cluster = without_grouped_gemm(block.cluster_spec())  # DeepSpeed's experts run one GEMM each
+    cluster = with_grouped_gemm(block.cluster_spec(), False)  # DeepSpeed's experts run one GEMM each
     if block.plan is not None:
         best, result = _pinned(block, spec, cluster, world_size, gbs, pipeline=pipeline, min_stage=user_stage), None
         top = (best,)

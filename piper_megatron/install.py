@@ -45,6 +45,7 @@ from piper_core.errors import Infeasible, SpecError
 from piper_core.calibrate.profile import load_profile
 from piper_core.presets import load_cluster
 from piper_core.resource.predict import Prediction
+from piper_core.runners import with_grouped_gemm
 from piper_core.scheduler.search import RETIME, SearchResult, best_predictions, search
 from piper_core.scheduler.space import SearchSpace, default_space
 from piper_core.specs.cluster import ClusterSpec
@@ -217,9 +218,7 @@ def _experts_as_written(ns: Any, options: PiperOptions, cluster: ClusterSpec) ->
         raise SpecError("--moe-grouped-gemm", True, "--piper-defer-wgrad splits each expert linear's backward into "
                         "its input and weight parts, which a grouped GEMM's fused function does not allow",
                         "drop --moe-grouped-gemm (the experts then run one GEMM each) or --piper-defer-wgrad")
-    if cluster.accelerator.grouped_gemm == grouped:
-        return cluster
-    return dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, grouped_gemm=grouped))
+    return with_grouped_gemm(cluster, grouped)
 
 
 SHARED_NOTE = ("the shared expert runs after the exchange, not beside it: Piper's dispatcher does not run Megatron's "

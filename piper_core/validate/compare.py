@@ -18,8 +18,8 @@ from typing import Any
 
 from piper_core.resource.predict import Prediction
 from piper_core.timing.layer import layer_cost, shape_of
-from piper_core.validate.peak import PeakRow, peak_figures, peak_json
-from piper_core.validate.suite import Case, Subset
+from piper_core.validate.peak import PeakRow, peak_figures, peak_json, worst_relative_error
+from piper_core.validate.suite import Case, Subset, by_subset
 
 STEP_MAPE_LIMIT, STEP_WORST_LIMIT, MEMORY_LIMIT, PICK_LIMIT = 0.10, 0.20, 0.05, 0.05
 
@@ -42,7 +42,7 @@ class Row:
     @property
     def memory_error(self) -> float:
         """The largest relative error over the pipeline stages."""
-        return max(((p - m) / m for m, p in zip(self.measured_memory, self.predicted_memory)), key=abs)
+        return worst_relative_error(self.measured_memory, self.predicted_memory)
 
 
 def _phases(case: Case, pred: Prediction, measured: dict[str, float]) -> dict[str, float]:
@@ -110,12 +110,7 @@ def _peaks(rows: list[Row]) -> dict[str, Any]:
 def verdict(rows: list[Row], subsets: tuple[Subset, ...] = ()) -> dict[str, Any]:
     """The headline :func:`figures` over every row (pass or fail), and each registered subset's
     figures beside it (``subsets``: name -> why, its cases and its figures; none decides the verdict)."""
-    beside = {}
-    for sub in subsets:
-        members = [r for r in rows if sub.matches(r.case)]
-        if members:
-            beside[sub.name] = {"why": sub.why, "case_names": [r.case.name for r in members]} | figures(members)
-    return figures(rows) | {"subsets": beside, "limits": {"step_mape": STEP_MAPE_LIMIT, "worst_step": STEP_WORST_LIMIT,
+    return figures(rows) | {"subsets": by_subset(rows, subsets, figures), "limits": {"step_mape": STEP_MAPE_LIMIT, "worst_step": STEP_WORST_LIMIT,
                                                            "memory": MEMORY_LIMIT, "pick": PICK_LIMIT}}
 
 

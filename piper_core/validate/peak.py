@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from piper_core.resource.predict import Prediction
-from piper_core.validate.suite import Case, Subset
+from piper_core.validate.suite import Case, Subset, by_subset
 
 MIB = 2**20
 PEAK_STEPS = 2
@@ -41,11 +41,16 @@ class PeakRow:
     @property
     def error(self) -> float:
         """The largest relative error of the peak over the stages."""
-        return max(((p - m) / m for m, p in zip(self.measured, self.predicted)), key=abs)
+        return worst_relative_error(self.measured, self.predicted)
 
     @property
     def state_error(self) -> float:
-        return max(((p - m) / m for m, p in zip(self.measured_state, self.predicted_state)), key=abs)
+        return worst_relative_error(self.measured_state, self.predicted_state)
+
+
+def worst_relative_error(measured: tuple[int, ...], predicted: tuple[int, ...]) -> float:
+    """(predicted - measured) / measured of the stage where it is largest in size."""
+    return max(((p - m) / m for m, p in zip(measured, predicted)), key=abs)
 
 
 def peak_row(case: Case, pred: Prediction, summary: dict[str, Any]) -> PeakRow:
@@ -109,12 +114,7 @@ def peak_lines(rows: list[PeakRow], figures: dict[str, Any], limit: float) -> li
 
 def peak_subsets(rows: list[PeakRow], subsets: tuple[Subset, ...], limit: float) -> dict[str, Any]:
     """Each registered subset's peak figures (beside the headline over every row, never instead)."""
-    out = {}
-    for sub in subsets:
-        members = [r for r in rows if sub.matches(r.case)]
-        if members:
-            out[sub.name] = {"why": sub.why, "case_names": [r.case.name for r in members]} | peak_figures(members, limit)
-    return out
+    return by_subset(rows, subsets, lambda members: peak_figures(members, limit))
 
 
 def subset_lines(subsets: dict[str, Any]) -> list[str]:

@@ -75,6 +75,17 @@ class Subset:
         return all(getattr(case, key) in values for key, values in self.where)
 
 
+def by_subset(rows: list[Any], subsets: tuple[Subset, ...], figures: Any) -> dict[str, Any]:
+    """Each subset's ``figures(members)`` over the ``rows`` (anything with a ``case``) it matches,
+    with why it is shown and its cases; subsets matching nothing are left out."""
+    out = {}
+    for sub in subsets:
+        members = [r for r in rows if sub.matches(r.case)]
+        if members:
+            out[sub.name] = {"why": sub.why, "case_names": [r.case.name for r in members]} | figures(members)
+    return out
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Suite:
     name: str
