@@ -93,18 +93,24 @@ def model_flags(model: ModelSpec) -> list[Flag]:
     return flags + _moe_flags(model)
 
 
+DISPATCHER = "--moe-token-dispatcher-type"
+
+
 def _moe_flags(model: ModelSpec) -> list[Flag]:
     if not model.is_moe:
         return []
     flags: list[Flag] = [("--num-experts", model.num_experts), ("--moe-ffn-hidden-size", model.moe_ffn_hidden_size),
                          ("--moe-router-topk", model.moe_router_topk), ("--moe-layer-freq", moe_layer_freq(model)),
-                         ("--moe-token-dispatcher-type", "alltoall")]
+                         (DISPATCHER, "alltoall")]
     if model.moe_shared_expert_intermediate_size:
         flags.append(("--moe-shared-expert-intermediate-size", model.moe_shared_expert_intermediate_size))
     if model.moe_router_topk == 1:  # TransformerConfig: "Please use --moe-router-pre-softmax when topk is 1"
         flags.append(("--moe-router-pre-softmax", None))  # (Switch: softmax over all experts, then top-1)
     if model.moe_capacity_factor is not None:
         flags.append(("--moe-expert-capacity-factor", model.moe_capacity_factor))
+    if model.moe_router_num_groups is not None:
+        flags += [("--moe-router-num-groups", model.moe_router_num_groups),
+                  ("--moe-router-group-topk", model.moe_router_group_topk)]
     return flags
 
 
@@ -151,6 +157,8 @@ def parallel_flags(model: ModelSpec, plan: ParallelPlan, accelerator: Accelerato
         flags.append(("--moe-grouped-gemm", None))
     if plan.shared_expert_overlap:
         flags.append(("--moe-shared-expert-overlap", None))
+    if plan.a2a == "dedup":  # each token to a node once: DeepEP through Megatron-Core's flex dispatcher
+        flags += [(DISPATCHER, "flex"), ("--moe-flex-dispatcher-backend", "deepep")]
     if plan.ep_comm_overlap:  # Megatron-Core's own EP overlap; delayed wgrad fills the backward's exchanges
         flags += [("--overlap-moe-expert-parallel-comm", None), ("--delay-wgrad-compute", None)]
     if plan.optimizer_offload_fraction > 0:  # validate_args: CPU offload runs the precision-aware optimizer
@@ -198,8 +206,14 @@ def megatron_args(p: Prediction) -> str:
              f"# The vocabulary ({model.vocab_size}) comes from your tokenizer.", ""]
     for var, value, why in environment(plan):
         lines += [f"# {line}" for line in why] + [f"export {var}={value}"]
-    flags = model_flags(model) + parallel_flags(model, plan, p.cluster.accelerator)
+    sizes = parallel_flags(model, plan, p.cluster.accelerator)
+    chosen = {flag for flag, _ in sizes}
+    flags = [f for f in model_flags(model) if f[0] not in chosen] + sizes  # the plan's dispatcher wins
     lines += ["", *_bash_array("PIPER_MEGATRON_ARGS", flags), ""]
+    if plan.a2a == "dedup":
+        return "\n".join(lines + ["# This plan's exchange sends each token to a node once (DeepEP, Megatron's flex",
+                                   "# dispatcher, installed separately): run it stock; Piper's all-to-all sends a copy",
+                                   "# per expert, so there are no Piper flags for it.", "PIPER_ARGS=()"]) + "\n"
     # Piper's token dispatcher runs every plan the search makes, expert tensor parallelism (etp = tp) included
     lines += ["# Piper's all-to-all for the MoE layers: these flags need the Piper launcher, which runs the",
               "# script with the sizes above pinned, e.g. torchrun ... -m piper_megatron pretrain_gpt.py",

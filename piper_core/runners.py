@@ -3,7 +3,8 @@ DeepSpeed-MoE with a ``piper`` block. Each rule returns why not (None: it can), 
 put the best plan of each runtime side by side and say why the faster one is out of the other's reach.
 
 Stock runs each exchange flat in one piece (Megatron-Core's ``MoEAlltoAllTokenDispatcher``,
-DeepSpeed's ``_AllToAll``); a hierarchical or a pipelined (chunked) exchange is Piper's. Megatron's
+DeepSpeed's ``_AllToAll``); a hierarchical or a pipelined (chunked) exchange is Piper's; one that
+sends a token to a node once (``dedup``) is Megatron's flex dispatcher's (DeepEP/HybridEP) alone. Megatron's
 own EP overlap (``--overlap-moe-expert-parallel-comm``) runs only on its stock dispatcher. Deferred
 expert weight gradients (``defer_wgrad``) are Piper's runtime's (``moe_alltoall(defer_wgrad=True)``),
 asked for by both adapters (``--piper-defer-wgrad``, ``"defer_wgrad": true``); neither stock path has
@@ -22,8 +23,14 @@ from piper_core.specs.parallel import ParallelPlan
 Rule = Callable[[ParallelPlan], "str | None"]
 
 
-def _stock_exchange(plan: ParallelPlan) -> str | None:
-    if plan.a2a != "flat":
+DEDUP = ("a2a=dedup: a token sent once per destination node is DeepEP/HybridEP's, which only Megatron's flex "
+         "dispatcher runs (Piper's exchanges and DeepSpeed's send a copy per expert)")
+
+
+def _stock_exchange(plan: ParallelPlan, *, flex: bool = False) -> str | None:
+    if plan.a2a == "dedup" and not flex:
+        return DEDUP
+    if plan.a2a == "hierarchical":
         return f"a2a={plan.a2a}: the stock dispatchers exchange flat (the staged exchange is Piper's)"
     if plan.a2a_chunks > 1:
         return f"chunks={plan.a2a_chunks}: the stock dispatchers do not pipeline the exchange (Piper's)"
@@ -38,10 +45,12 @@ def _deferred_wgrad(plan: ParallelPlan, who: str) -> str | None:
 
 def megatron_stock(plan: ParallelPlan) -> str | None:
     return _deferred_wgrad(plan, "the stock dispatcher's experts compute their weight gradients in their backward "
-                                 "(Megatron's own delay comes with ep_comm_overlap)") or _stock_exchange(plan)
+                                 "(Megatron's own delay comes with ep_comm_overlap)") or _stock_exchange(plan, flex=True)
 
 
 def megatron_piper(plan: ParallelPlan) -> str | None:
+    if plan.a2a == "dedup":
+        return DEDUP
     if plan.defer_wgrad and plan.moe_grouped_gemm:
         return f"defer_wgrad with moe_grouped_gemm: {DEFERRED_EXPERTS}"
     if plan.ep_comm_overlap:
@@ -71,6 +80,8 @@ DEFERRED_EXPERTS = ("the deferred weight gradients split each expert linear's au
 
 
 def deepspeed_piper(plan: ParallelPlan) -> str | None:
+    if plan.a2a == "dedup":
+        return DEDUP
     if plan.shared_expert_overlap or plan.ep_comm_overlap:
         return "Piper's DeepSpeed-MoE layer has no shared expert and no Megatron EP overlap"
     return _grouped(plan, DS_EXPERTS) or deepspeed_compatible(plan)

@@ -207,6 +207,8 @@ _MODEL_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, Any], ...] = (
     ("--moe-shared-expert-intermediate-size", "moe_shared_expert_intermediate_size", int, None),
     ("--moe-layer-freq", "moe_layer_freq", _moe_freq, 1),
     ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", float, None),
+    ("--moe-router-num-groups", "moe_router_num_groups", int, None),
+    ("--moe-router-group-topk", "moe_router_group_topk", int, None),
     ("--seq-length", "seq_length", int, None), ("--vocab-size", "vocab_size", int, None),
     ("--vocab-file", "vocab_file", str, None), ("--tokenizer-type", "tokenizer_type", str, None),
     ("--normalization", "normalization", str, "LayerNorm"),
@@ -383,7 +385,9 @@ def model_spec_from_args(ns: argparse.Namespace, defaults: Mapping[str, Any] | N
                       moe_router_topk=getattr(ns, "moe_router_topk", 2), moe_first_k_dense=first_k,
                       moe_layer_freq=freq,
                       moe_shared_expert_intermediate_size=getattr(ns, "moe_shared_expert_intermediate_size", None) or 0,
-                      moe_capacity_factor=getattr(ns, "moe_expert_capacity_factor", None))
+                      moe_capacity_factor=getattr(ns, "moe_expert_capacity_factor", None),
+                      moe_router_num_groups=getattr(ns, "moe_router_num_groups", None),
+                      moe_router_group_topk=getattr(ns, "moe_router_group_topk", None))
     try:
         return ModelSpec(name=model_name(fields), **fields)
     except SpecError as exc:

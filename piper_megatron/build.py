@@ -98,6 +98,7 @@ def _moe_fields(model: ModelSpec) -> dict[str, Any]:
         # Top-1 routing gates by the softmax over all experts (Switch Transformer, Sec. 2.1);
         # TransformerConfig rejects topk=1 otherwise.
         moe_router_pre_softmax=model.moe_router_topk == 1,
+        moe_router_num_groups=model.moe_router_num_groups, moe_router_group_topk=model.moe_router_group_topk,
     )
     if model.moe_capacity_factor is not None:
         # Piper sizes a capacity-bound expert's buffers at capacity, which is what padding gives;

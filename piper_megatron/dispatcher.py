@@ -104,6 +104,7 @@ from piper_core.runtime import (
 )
 from piper_core.runtime import timeouts
 from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS, choose
+from piper_megatron.pins import PIPER_ALGORITHMS
 from piper_megatron.trace import LayerRecord, Tracer
 
 
@@ -116,7 +117,7 @@ class DispatchSettings:
     count the plan assumed. Every layer runs the fused path, one chunk included."""
 
     # ParallelPlan.a2a values (the aggregated exchange is the runtime's, no plan's)
-    PLAN_ALGORITHMS: ClassVar[tuple[str, ...]] = ("flat", "hierarchical")
+    PLAN_ALGORITHMS: ClassVar[tuple[str, ...]] = PIPER_ALGORITHMS
     algorithm: Algorithm = Algorithm.FLAT
     chunks: int = 1
     tune: bool = False

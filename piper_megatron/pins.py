@@ -185,11 +185,16 @@ def _check_off(pins: Pins) -> None:
                             f"drop --{name} or take {name} out of --piper-off")
 
 
+PIPER_ALGORITHMS = ("flat", "hierarchical")  # the exchanges Piper's dispatcher runs (its PLAN_ALGORITHMS)
+
+
 def _a2a_choices(pins: Pins, space: SearchSpace) -> tuple[A2AVariant, ...]:
     """The (algorithm, chunks, EP overlap) variants ``--piper-a2a`` and ``--piper-chunks`` leave, each
     chosen independently. Never Megatron's EP overlap: it runs inside Megatron's own dispatcher, which
-    --piper replaces (:func:`piper_core.runners.megatron_piper`)."""
-    choices = tuple(v for v in dict.fromkeys(A2A_CHOICES + space.a2a) if not v[2])  # space: maybe a recorded one
+    --piper replaces (:func:`piper_core.runners.megatron_piper`); never an exchange Piper's dispatcher
+    does not run (``dedup``, Megatron's flex dispatcher)."""
+    choices = tuple(v for v in dict.fromkeys(A2A_CHOICES + space.a2a)  # space: maybe a recorded one
+                    if not v[2] and v[0] in PIPER_ALGORITHMS)
     algorithms = tuple(dict.fromkeys(a for a, _, _ in choices)) if pins.a2a == "auto" else (pins.a2a,)
     if pins.chunks is not None:
         counts: tuple[int, ...] = (pins.chunks,)

@@ -6,8 +6,10 @@ repetitions; GEMM and copy points are the median over ranks of each rank's media
 (:mod:`piper_core.calibrate.fit`) then set:
 
 * ``accelerator``: ``peak_tflops_bf16`` = the larger of the best measured bf16 rate and the fitted
-  compute rate ``R_c``; ``gemm_efficiency`` = ``R_c / peak``; fp32 and fp16 peaks = their fitted
-  compute rates / that efficiency; ``kernel_latency_us`` = the fitted latency;
+  compute rate ``R_c`` (that of large GEMMs); ``gemm_efficiency`` = ``R_c / peak``;
+  ``gemm_half_size`` = the fitted shape knee where the bf16 GEMMs identify one, else 0 (flat; the
+  report says why); fp32 and fp16 peaks = their fitted compute rates / that efficiency;
+  ``kernel_latency_us`` = the fitted latency;
   ``hbm_gb_per_s`` = the measured copy bandwidth (read + write), ``hbm_efficiency`` = the GEMM fit's
   memory rate / it (both raised to the memory rate, efficiency 1, if the GEMMs stream faster than
   the copy, as cache-resident weights do);
@@ -241,7 +243,7 @@ def fit_accelerator(benchmarks: dict[str, Any], base: AcceleratorSpec) -> tuple[
     peak = max(g.best_rate, g.compute_flops_per_s)
     eff = min(1.0, g.compute_flops_per_s / peak)
     fields.update(peak_tflops_bf16=_sig(peak / 1e12), gemm_efficiency=_sig(eff, 4),
-                  kernel_latency_us=_sig(g.latency_s * 1e6))
+                  gemm_half_size=_sig(g.half_size), kernel_latency_us=_sig(g.latency_s * 1e6))
     for dtype, key in (("fp32", "peak_tflops_fp32"), ("fp16", "peak_tflops_fp16")):
         rate = fit_compute_rate(_points(gemm.get(dtype, [])), g)
         if rate is not None:
@@ -267,7 +269,8 @@ def _gemm_report(g: GemmFit, acc: AcceleratorSpec, gemm: dict[str, Any]) -> dict
     """Fit quality of the model with the fitted accelerator, per dtype, and the bf16 efficiency curve."""
     out: dict[str, Any] = {"compute_tflops": _sig(g.compute_flops_per_s / 1e12),
                            "memory_gb_per_s": _sig(g.memory_bytes_per_s / 1e9),
-                           "latency_us": _sig(g.latency_s * 1e6), "best_tflops": _sig(g.best_rate / 1e12)}
+                           "latency_us": _sig(g.latency_s * 1e6), "best_tflops": _sig(g.best_rate / 1e12),
+                           "half_size": _sig(g.half_size), "knee": g.knee}
     peak = acc.peak_flops("bf16")
     for dtype, rows in gemm.items():
         measured = [r["seconds"] for r in rows]

@@ -26,8 +26,9 @@ if TYPE_CHECKING:  # the calibrate package loads only when the command runs
 
 from piper_core.calibrate.steps import FRAMEWORKS, FULL_TIMEOUT_S, QUICK_TIMEOUT_S
 ACCELERATOR_FIELDS = ("peak_tflops_bf16", "peak_tflops_fp16", "peak_tflops_fp32", "gemm_efficiency",
-                      "hbm_gb_per_s", "hbm_efficiency", "kernel_latency_us", "layer_overhead_us", "moe_overhead_us",
-                      "expert_overhead_us", "backward_overhead_factor", "microbatch_overhead_us", "step_overhead_us")
+                      "gemm_half_size", "hbm_gb_per_s", "hbm_efficiency", "kernel_latency_us", "layer_overhead_us",
+                      "moe_overhead_us", "expert_overhead_us", "backward_overhead_factor", "microbatch_overhead_us",
+                      "step_overhead_us")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -33,6 +33,7 @@ from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.specs._check import freeze_hash
 from piper_core.timing.step import ExchangeVariants, step_time
+from piper_core.timing.topology import Group, members_per_domain
 
 RETIME = 16
 _PLAN_FIELDS = tuple(f for f in dataclasses.fields(ParallelPlan) if f.init)
@@ -219,10 +220,10 @@ class _Scan:
             combos = []
             for rest in inner:
                 combo = prefix + rest
-                key = (combo[1], combo[2], combo[4], combo[7])
+                key = (combo[0], combo[1], combo[2], combo[4], combo[5], combo[7])
                 variants = variants_of.get(key)
                 if variants is None:
-                    variants = variants_of[key] = _variants(space, combo)
+                    variants = variants_of[key] = _variants(space, combo, cluster)
                 combos.append((combo, variants))
             kwargs, reason = _structural(model, gpus, gbs, combos[0][0], space.sequence_parallel)
             if kwargs is None:  # the rules read only the first seven dimensions: all of inner fail alike
@@ -264,14 +265,18 @@ class _Scan:
         return result
 
 
-def _variants(space: SearchSpace, combo: tuple) -> tuple[A2AVariant, ...]:
+def _variants(space: SearchSpace, combo: tuple, cluster: ClusterSpec) -> tuple[A2AVariant, ...]:
     """The exchange variants of a combination: none but the plain one without expert parallelism;
-    Megatron's EP overlap only where its rules allow it (vpp when pp > 1, no full recompute)."""
-    _, pp, vpp, _, ep, _, _, recompute, _ = combo
+    Megatron's EP overlap only where its rules allow it (vpp when pp > 1, no full recompute); the
+    per-node deduplicated exchange only where the expert-parallel group spans more than one domain of
+    the innermost link level (inside one it is the flat exchange, and would only tie with it)."""
+    tp, pp, vpp, _, ep, etp_is_tp, _, recompute, _ = combo
     if ep == 1:
         return (UNPIPELINED,)
     overlap_ok = (pp == 1 or vpp > 1) and recompute != "full"
-    return tuple(v for v in space.a2a if not v[2] or overlap_ok)
+    group = Group(name="ep", size=ep, stride=tp if etp_is_tp else 1)
+    spans = members_per_domain(group, cluster.links[0].domain_gpus) < ep
+    return tuple(v for v in space.a2a if (not v[2] or overlap_ok) and (v[0] != "dedup" or spans))
 
 
 def _score(model: ModelSpec, cluster: ClusterSpec, base: ParallelPlan, peak: int, variant: A2AVariant, *,
@@ -321,10 +326,18 @@ def _with(plan: ParallelPlan, **changes) -> ParallelPlan:
 _EP_OVERLAP = dict(ep_comm_overlap=True, shared_expert_overlap=False, defer_wgrad=False)
 
 
+# What the flex dispatcher (a2a=dedup) turns off: shared-expert overlap (it refuses it) and Piper's
+# deferred weight gradients (Piper's runtime does not run it).
+_DEDUP = dict(shared_expert_overlap=False, defer_wgrad=False)
+
+
+def _a2a_changes(algo: str, chunks: int, ep_overlap: bool) -> dict:
+    return {"a2a": algo, "a2a_chunks": chunks, **(_EP_OVERLAP if ep_overlap else {}),
+            **(_DEDUP if algo == "dedup" else {})}
+
+
 def _with_a2a(plan: ParallelPlan, algo: str, chunks: int, ep_overlap: bool = False) -> ParallelPlan:
-    if ep_overlap:
-        return _with(plan, a2a=algo, a2a_chunks=chunks, **_EP_OVERLAP)
-    return _with(plan, a2a=algo, a2a_chunks=chunks)
+    return _with(plan, **_a2a_changes(algo, chunks, ep_overlap))
 
 
 _SLOTS = tuple(f.name for f in _PLAN_FIELDS)
@@ -367,9 +380,7 @@ _HASH_SETTER = ParallelPlan._hash.__set__
 
 def _copy_a2a(plan: ParallelPlan, algo: str, chunks: int, ep_overlap: bool = False) -> ParallelPlan:
     """What :func:`_with_a2a` returns, without ParallelPlan's checks (for a variant already checked)."""
-    if ep_overlap:
-        return _copy(plan, a2a=algo, a2a_chunks=chunks, **_EP_OVERLAP)
-    return _copy(plan, a2a=algo, a2a_chunks=chunks)
+    return _copy(plan, **_a2a_changes(algo, chunks, ep_overlap))
 
 
 class _Memory:
@@ -464,7 +475,7 @@ class _Memory:
 
 
 RANK_RULES = ("faster", "lower peak memory", "fewer model-parallel ranks", "fewer expert-parallel ranks",
-              "a flat exchange (not hierarchical)", "fewer exchange chunks", "no Megatron EP overlap", "no recompute",
+              "a flat exchange (not staged)", "fewer exchange chunks", "no Megatron EP overlap", "no recompute",
               "a smaller micro-batch")
 
 

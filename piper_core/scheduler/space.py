@@ -14,7 +14,7 @@ from piper_core.specs.model import ModelSpec
 A2AVariant = tuple[str, int, bool]  # (algorithm, chunks, Megatron's EP overlap)
 CHUNK_CHOICES: tuple[int, ...] = (1, 2, 4, 8)
 A2A_CHOICES: tuple[A2AVariant, ...] = tuple((a, c, False) for a in ("flat", "hierarchical") for c in CHUNK_CHOICES) \
-    + (("flat", 1, True),)
+    + (("flat", 1, True), ("dedup", 1, False), ("dedup", 1, True))
 UNPIPELINED: A2AVariant = ("flat", 1, False)
 
 
@@ -26,7 +26,8 @@ class SearchSpace:
     each combination, the first that fits being kept: they only ever cost time, so a plan uses
     one only when it does not fit without it (offload needs the distributed optimizer and host
     memory in the cluster spec). ``a2a``: the exchange variants tried for every plan with ep > 1
-    (algorithm x pipeline chunks, and Megatron's EP overlap where its rules allow it); a model with a
+    (algorithm x pipeline chunks, and Megatron's EP overlap where its rules allow it; ``dedup``, Megatron's
+    flex dispatcher, in one chunk); a model with a
     shared expert overlaps it with the exchange wherever Megatron allows (it only hides time). ``sequence_parallel``: whether plans with tp > 1 use sequence
     parallelism (Megatron-Core needs it for MoE with tp > 1, so False leaves MoE models at tp = 1).
     ``defer_wgrad``: every plan with ep > 1 defers its experts' weight gradients (a runtime that asks

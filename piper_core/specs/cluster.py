@@ -7,6 +7,7 @@ level says how many GPUs share that domain (``domain_gpus``), the outermost cove
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -21,9 +22,16 @@ class AcceleratorSpec:
     """One GPU (or GCD): dense peak throughput per dtype, HBM size and bandwidth.
 
     The efficiency terms drive the roofline time model: a GEMM runs at
-    ``max(flops / (peak * gemm_efficiency), bytes / (hbm * hbm_efficiency)) + kernel_latency_us``,
+    ``max(flops / (peak * efficiency), bytes / (hbm * hbm_efficiency)) + kernel_latency_us``,
     so skinny expert GEMMs fall to the memory-bound side. Presets carry planning defaults;
     ``piper calibrate`` fits them on the real machine.
+
+    ``efficiency`` is ``gemm_efficiency`` (that of large GEMMs) times ``s / (s + gemm_half_size)``,
+    ``s = 3 / (1/m + 1/n + 1/k)`` the harmonic mean of the GEMM's dimensions, so GEMMs with a small
+    dimension (few tokens per expert, a small expert hidden size) run below it: tile and wave
+    quantization (:mod:`piper_core.timing.gemm`; for fp32 the knee scales with its peak).
+    ``gemm_half_size`` (elements; the ``s`` at which bf16 efficiency halves) 0 keeps the efficiency
+    flat, as profiles and presets without the key had it.
 
     Element-wise kernels (norms, activations, softmax, permutation) stream at
     ``elementwise_gb_per_s`` (bytes read + written per second) when it is set -- ``piper calibrate``
@@ -39,6 +47,16 @@ class AcceleratorSpec:
     ``backward_overhead_factor`` x forward; per micro-batch (``microbatch_overhead_us``: embedding,
     output layer and loss, the schedule's bookkeeping; shared by the pipeline stages, 1/pp each) and
     per step (``step_overhead_us``: gradient-buffer and optimizer bookkeeping).
+
+    ``moe_sync_us``: device idle time per MoE layer forward (a recomputed forward pays it again) while
+    the host waits for the routed token counts: Megatron-Core's alltoall dispatcher copies them to
+    the host and synchronises once per layer (``cuda_sync_point``, ``MoEAlltoAllTokenDispatcher.
+    preprocess``, transformer/moe/token_dispatcher.py; every setting but drop-and-pad, which the model
+    does not express) and Piper's dispatcher reads them on the host as well. The queue drains, so
+    the device idles for at least a device-to-host round trip: 26 us measured on bare-metal Linux
+    (jingyaogong/minimind pull request 837, 2 x RTX 3090, ``cudaMemcpy`` D2H after a launch), the GPU
+    presets' planning value until a device calibration measures it. 0 where host and device are one
+    (CPU ranks).
 
     ``grouped_gemm``: whether Megatron runs a plan's local experts as one grouped GEMM per expert
     linear by default here (``--moe-grouped-gemm``: ``TEGroupedMLP``/``GroupedMLP``, CUDA/ROCm
@@ -59,12 +77,14 @@ class AcceleratorSpec:
     hbm_gib: float
     hbm_gb_per_s: float
     gemm_efficiency: float = 0.7
+    gemm_half_size: float = 0.0
     hbm_efficiency: float = 0.8
     kernel_latency_us: float = 4.0
     elementwise_gb_per_s: float | None = None
     layer_overhead_us: float = 0.0
     moe_overhead_us: float = 0.0
     expert_overhead_us: float = 0.0
+    moe_sync_us: float = 0.0
     backward_overhead_factor: float = 2.0
     microbatch_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
@@ -72,13 +92,17 @@ class AcceleratorSpec:
     kernels: Literal["cuda", "cpu"] = "cuda"
 
     def __post_init__(self) -> None:
-        for key in ("layer_overhead_us", "moe_overhead_us", "expert_overhead_us", "backward_overhead_factor",
+        for key in ("layer_overhead_us", "moe_overhead_us", "expert_overhead_us", "moe_sync_us", "backward_overhead_factor",
                     "microbatch_overhead_us", "step_overhead_us"):
             non_negative(f"accelerator.{key}", getattr(self, key))
         for key in ("peak_tflops_bf16", "peak_tflops_fp16", "peak_tflops_fp32", "hbm_gib", "hbm_gb_per_s"):
             positive(f"accelerator.{key}", getattr(self, key))
         positive("accelerator.elementwise_gb_per_s", self.elementwise_gb_per_s, allow_none=True)
         fraction("accelerator.gemm_efficiency", self.gemm_efficiency)
+        if isinstance(self.gemm_half_size, bool) or not 0.0 <= self.gemm_half_size < math.inf:
+            raise SpecError("accelerator.gemm_half_size", self.gemm_half_size,
+                            "must be a finite number >= 0 (the harmonic-mean GEMM dimension at which efficiency "
+                            "halves)", "set it to 0 for a flat efficiency, or to a size such as 500 (H100, bf16)")
         fraction("accelerator.hbm_efficiency", self.hbm_efficiency)
         non_negative("accelerator.kernel_latency_us", self.kernel_latency_us)
 

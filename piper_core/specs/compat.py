@@ -100,10 +100,14 @@ def _pp_layer_counts(model: ModelSpec, plan: ParallelPlan) -> list[int]:
     chunk = middle * plan.virtual_stages
     if middle and rest % chunk:
         what = "pp*vpp" if plan.vpp else "pp"
-        span = f" middle stages ({middle})" if first or last else ""
-        raise SpecError(what, chunk, f"must divide the {rest} layers of the{span or ''} pipeline"
-                        f"{' middle' if first or last else ''} stages (Megatron TransformerConfig)",
-                        f"choose {what} dividing {rest}, or set an uneven first/last stage split")
+        if first is None and last is None:
+            raise SpecError(what, chunk, f"must divide the {rest} layers of the pipeline stages (Megatron "
+                            "TransformerConfig)", f"choose {what} dividing {rest}, or set an uneven first/last "
+                            "stage split")
+        raise SpecError(what, plan.pp * plan.virtual_stages, f"leaves {chunk} middle stage chunks, which must divide "
+                        f"the {rest} layers left after the first ({first}) and last ({last}) stages (Megatron "
+                        "TransformerConfig)", f"change the first/last stage layer counts so that {chunk} divides "
+                        "what is left, or change pp")
     each = rest // middle if middle else 0
     counts = [each] * plan.pp
     if first is not None:

@@ -43,6 +43,10 @@ class ModelSpec:
     Dropout defaults to 0 (as the presets' models train); Megatron's own default is 0.1.
     ``moe_capacity_factor`` None means dropless; then ``moe_expert_load_skew`` (max/mean tokens per
     expert, >= 1) sizes the worst expert's buffers.
+    ``moe_router_num_groups`` / ``moe_router_group_topk``: group-limited routing (Megatron's
+    ``--moe-router-num-groups`` / ``--moe-router-group-topk``, TransformerConfig): experts fall into
+    equal groups and each token picks its experts from ``group_topk`` of them; with one group per node
+    of the expert-parallel group this is DeepSeek-V3's node-limited routing (at most 4 nodes a token).
     """
 
     name: str
@@ -60,6 +64,8 @@ class ModelSpec:
     moe_first_k_dense: int = 0
     moe_capacity_factor: float | None = None
     moe_expert_load_skew: float = 1.0
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
     vocab_size: int
     make_vocab_size_divisible_by: int = 128
     seq_length: int
@@ -120,6 +126,7 @@ class ModelSpec:
         if self.moe_expert_load_skew < 1.0:
             raise SpecError("moe_expert_load_skew", self.moe_expert_load_skew,
                             "is max/mean tokens per expert and must be >= 1", "use 1.0 for perfect balance")
+        self._check_router_groups()
         if self.moe_shared_expert_intermediate_size and self.add_bias_linear:
             raise SpecError("add_bias_linear", True, "Megatron's SharedExpertMLP does not support biases",
                             "set add_bias_linear: false or remove the shared expert")
@@ -127,6 +134,29 @@ class ModelSpec:
             raise SpecError("moe_first_k_dense", self.moe_first_k_dense,
                             f"must be < num_layers ({self.num_layers}) for a MoE model",
                             "lower it, or set num_experts: 0 for a dense model")
+
+    def _check_router_groups(self) -> None:
+        """TransformerConfig.__post_init__'s rules for group-limited routing."""
+        groups, picked = self.moe_router_num_groups, self.moe_router_group_topk
+        positive("moe_router_num_groups", groups, allow_none=True)
+        positive("moe_router_group_topk", picked, allow_none=True)
+        if (groups is None) != (picked is None):
+            raise SpecError("moe_router_group_topk" if picked is None else "moe_router_num_groups", None,
+                            "group-limited routing needs both moe_router_num_groups and moe_router_group_topk",
+                            "set both (e.g. 8 and 4, DeepSeek-V3) or neither")
+        if groups is None:
+            return
+        if self.num_experts % groups:
+            raise SpecError("moe_router_num_groups", groups, f"must divide num_experts ({self.num_experts})",
+                            "choose a divisor of num_experts, e.g. the nodes of the expert-parallel group")
+        if picked > groups:
+            raise SpecError("moe_router_group_topk", picked, f"must be <= moe_router_num_groups ({groups})",
+                            "lower moe_router_group_topk")
+        if self.moe_router_topk % picked or self.moe_router_topk > picked * (self.num_experts // groups):
+            raise SpecError("moe_router_group_topk", picked,
+                            f"must divide moe_router_topk ({self.moe_router_topk}), whose experts the selected "
+                            "groups must hold (Megatron group_limited_topk scores each group by its top "
+                            "topk/group_topk experts)", "choose a divisor of moe_router_topk")
 
     # ---- derived quantities -------------------------------------------------------------
     @property

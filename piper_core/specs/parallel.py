@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from piper_core.specs.cluster import AcceleratorSpec
 
 Recompute = Literal["none", "selective", "full"]
-A2AAlgorithm = Literal["flat", "hierarchical"]
+A2AAlgorithm = Literal["flat", "hierarchical", "dedup"]
 LEGACY_PIPELINED = "pipelined"
 
 
@@ -54,6 +54,12 @@ class ParallelPlan:
     GEMM for all local experts, ``TEGroupedMLP``/``GroupedMLP``); None takes the accelerator's
     default (``AcceleratorSpec.grouped_gemm``: on for the GPU presets, off for CPU ranks, which run
     ``SequentialMLP``).
+
+    ``a2a``: the expert exchange. ``flat`` (one all-to-all, Megatron's alltoall dispatcher) and
+    ``hierarchical`` (intra-node, then inter-node; Piper's) send a token once per selected expert;
+    ``dedup`` sends it across nodes once per destination node and fans it out there (DeepEP or
+    HybridEP: Megatron-Core's flex dispatcher, ``--moe-token-dispatcher-type flex``; one chunk, no
+    shared-expert overlap, which that dispatcher refuses). Piper's runtime does not run ``dedup``.
     """
 
     gpus: int
@@ -145,12 +151,26 @@ class ParallelPlan:
                             "set precision=bf16 or grad_reduce_in_bf16=false")
         if self.ep_comm_overlap:
             self._check_ep_comm_overlap()
+        if self.a2a == "dedup":
+            self._check_dedup()
         if self.defer_wgrad and self.ep == 1:
             raise SpecError("defer_wgrad", True, "needs expert parallelism (ep > 1): without an exchange there is "
                             "nothing for the weight gradients to overlap", "set defer_wgrad=false or ep > 1")
         if self.defer_wgrad and self.ep_comm_overlap:
             raise SpecError("defer_wgrad", True, "and ep_comm_overlap both move the experts' weight gradients (Megatron's "
                             "overlap brings its own --delay-wgrad-compute)", "set defer_wgrad=false with ep_comm_overlap")
+
+    def _check_dedup(self) -> None:
+        """Megatron-Core 0.16's flex dispatcher (MoEFlexTokenDispatcher, token_dispatcher.py)."""
+        rules = ((self.a2a_chunks != 1, "a2a_chunks", self.a2a_chunks, "the flex dispatcher exchanges in one piece",
+                  "set a2a_chunks=1, or a2a=hierarchical to pipeline Piper's exchange"),
+                 (self.shared_expert_overlap, "shared_expert_overlap", True, "is not supported by the flex dispatcher "
+                  "(set_shared_experts raises NotImplementedError)", "set shared_expert_overlap=false"),
+                 (self.defer_wgrad, "defer_wgrad", True, "is Piper's runtime's, which does not deduplicate",
+                  "set defer_wgrad=false, or a2a=hierarchical"))
+        for broken, key, value, rule, fix in rules:
+            if broken:
+                raise SpecError(key, value, f"a2a=dedup (DeepEP/HybridEP, Megatron's flex dispatcher): {rule}", fix)
 
     def _check_ep_comm_overlap(self) -> None:
         """Megatron-Core 0.16's rules for ``overlap_moe_expert_parallel_comm`` (TransformerConfig)."""
@@ -161,8 +181,8 @@ class ParallelPlan:
                   "use recompute none or selective"),
                  (self.shared_expert_overlap, "shared_expert_overlap", True, "is refused by Megatron together "
                   "with ep_comm_overlap", "set shared_expert_overlap=false"),
-                 (self.a2a != "flat" or self.a2a_chunks != 1, "a2a", f"{self.a2a}/{self.a2a_chunks}",
-                  "Megatron's overlap runs its own (stock, flat, one-chunk) dispatcher",
+                 (self.a2a == "hierarchical" or self.a2a_chunks != 1, "a2a", f"{self.a2a}/{self.a2a_chunks}",
+                  "Megatron's overlap runs its own (stock, one-chunk) alltoall or flex dispatcher",
                   "set a2a=flat, a2a_chunks=1, or drop ep_comm_overlap and pipeline with Piper's chunks"))
         for broken, key, value, rule, fix in rules:
             if broken:

@@ -43,16 +43,19 @@ def all_to_all_hierarchical(group: Group, nbytes: float, cluster: ClusterSpec) -
     return sum(hierarchical_stages(group, nbytes, cluster))
 
 
-def hierarchical_stages(group: Group, nbytes: float, cluster: ClusterSpec) -> tuple[float, ...]:
+def hierarchical_stages(group: Group, nbytes: float, cluster: ClusterSpec, *,
+                        inter_share: float = 1.0) -> tuple[float, ...]:
     """(intra-node stage with the regrouping copy, inter-node stage) of :func:`all_to_all_hierarchical`;
-    one stage (the flat exchange) when the group stays inside one domain."""
+    one stage (the flat exchange) when the group stays inside one domain. ``inter_share`` scales
+    what crosses domains: below 1 when each token goes to a node once however many of its experts
+    live there (DeepEP/HybridEP; :func:`piper_core.timing.routing.dedup_ratio`)."""
     shares = level_shares(group, cluster)
     if len(shares) < 2:
         return (all_to_all_flat(group, nbytes, cluster),)
     inner = shares[0].peers + 1
     stage1 = all_to_all_flat(Group(name=group.name + "-intra", size=inner, stride=group.stride), nbytes, cluster)
     outer = Group(name=group.name + "-inter", size=group.size // inner, stride=group.stride * inner)
-    stage2 = all_to_all_flat(outer, nbytes, cluster)
+    stage2 = all_to_all_flat(outer, nbytes * inter_share, cluster)
     acc = cluster.accelerator
     copy = 2 * nbytes / (acc.hbm_gb_per_s * 1e9 * acc.hbm_efficiency)
     return stage1 + copy, stage2

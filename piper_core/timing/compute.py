@@ -1,8 +1,12 @@
 """Roofline compute time of one layer's forward pass on one GPU, for one micro-batch.
 
 A GEMM ``[m, k] x [k, n]`` (``batch`` of them) takes
-``max(2 m n k / (peak x gemm_efficiency), bytes / (hbm x hbm_efficiency)) + kernel latency``
-with ``bytes = 2 (m k + k n + m n)`` (Williams et al., "Roofline", CACM 2009). Skinny expert GEMMs
+``max(2 m n k / (peak x efficiency(m, n, k)), bytes / (hbm x hbm_efficiency)) + kernel latency``
+with ``bytes = 2 (m k + k n + m n)`` (Williams et al., "Roofline", CACM 2009). The compute
+efficiency is ``gemm_efficiency`` for large GEMMs and falls with the GEMM's smallest dimensions
+when the accelerator sets ``gemm_half_size`` (:mod:`piper_core.timing.gemm`: tile and wave
+quantization); unset, it is flat, as it was. Core attention keeps the flat efficiency
+(:func:`core_attention_gemm_time`). Skinny expert GEMMs
 (few tokens per expert) fall on the memory side and, run one expert at a time (Megatron's
 ``SequentialMLP``), pay the launch latency per expert -- the "small, imbalanced expert GEMM"
 bottleneck of the Piper paper; with ``--moe-grouped-gemm`` each expert linear is one grouped GEMM
@@ -20,19 +24,38 @@ from piper_core.resource.activations import busiest_rows
 from piper_core.specs.cluster import AcceleratorSpec
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import grouped_gemm
+from piper_core.timing.gemm import gemm_efficiency
 
 BYTES = 2  # bf16 / fp16 activations and weights
 
 
 def gemm_time(acc: AcceleratorSpec, precision: str, m: float, n: float, k: float, *, batch: float = 1) -> float:
-    """Seconds for ``batch`` GEMMs of shape m x k by k x n (one kernel launch)."""
+    """Seconds for ``batch`` GEMMs of shape m x k by k x n (one kernel launch), each at the
+    efficiency its shape allows (:func:`piper_core.timing.gemm.gemm_efficiency`)."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
+    return _roofline(acc, precision, m, n, k, batch, gemm_efficiency(acc, precision, m, n, k))
+
+
+def _roofline(acc: AcceleratorSpec, precision: str, m: float, n: float, k: float, batch: float,
+              efficiency: float) -> float:
     flops = 2.0 * m * n * k * batch
     moved = BYTES * (m * k + k * n + m * n) * batch
-    compute = flops / (acc.peak_flops(precision) * acc.gemm_efficiency)
+    compute = flops / (acc.peak_flops(precision) * efficiency)
     memory = moved / (acc.hbm_gb_per_s * 1e9 * acc.hbm_efficiency)
     return max(compute, memory) + acc.kernel_latency_us * 1e-6
+
+
+def core_attention_gemm_time(acc: AcceleratorSpec, precision: str, m: float, n: float, k: float, *,
+                             batch: float) -> float:
+    """One of core attention's two products (``Q K^T``, ``P V``; ``batch`` heads) at the flat
+    ``gemm_efficiency``, not the shape efficiency of a per-head GEMM: a fused kernel tiles over
+    heads and query blocks and loops over the keys (FlashAttention-2 reaches 50-73 % of A100 peak
+    forward, Dao 2023, abstract), and the unfused backend's batched GEMMs draw
+    their parallelism from the heads, which the per-head ``head_dim`` does not show."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    return _roofline(acc, precision, m, n, k, batch, acc.gemm_efficiency)
 
 
 def stream_time(acc: AcceleratorSpec, nbytes: float, *, elementwise: bool = True) -> float:
@@ -93,7 +116,8 @@ def attention_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec)
         qk_dim, v_dim = q_head, mla.v_head_dim
     # causal: on average each query sees half the keys (s/2), with load-balanced cp as well
     keys = model.seq_length / 2
-    core = gemm_time(acc, prec, t, keys, qk_dim, batch=a) + gemm_time(acc, prec, t, v_dim, keys, batch=a)
+    core = (core_attention_gemm_time(acc, prec, t, keys, qk_dim, batch=a)
+            + core_attention_gemm_time(acc, prec, t, v_dim, keys, batch=a))
     if shape.attention_backend == "unfused":  # scores written, softmaxed, read back by AV
         core += stream_time(acc, 3 * BYTES * a * t * model.seq_length)
     # input norm (read + write), rope on q and k, residual add (read 2, write 1)

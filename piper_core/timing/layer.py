@@ -2,7 +2,10 @@
 other exposed communication, forward and backward.
 
 Backward runs each GEMM twice (data and weight gradients) and the element-wise work again;
-recompute adds the repeated forward (core attention for selective, the whole layer -- its
+flash attention's core backward is 2.5x its forward (five GEMMs to the forward's two: it recomputes
+Q K^T, then dV, dP, dQ, dK -- Dao, "FlashAttention-2", 2023, section 4.1, which counts backward FLOPs
+as 2.5x forward), unfused attention's 2x (the scores are kept). Each MoE layer's forward pays the
+accelerator's ``moe_sync_us`` (the dispatcher's device-to-host sync of the token counts); recompute adds the repeated forward (core attention for selective, the whole layer -- its
 communication included -- for full). Tensor-parallel collectives are counted as exposed (Megatron
 overlaps them only with TE user buffers, ``--tp-comm-overlap``, which the model does not assume).
 """
@@ -19,7 +22,8 @@ from piper_core.specs.parallel import ParallelPlan
 from piper_core.timing import comm
 from piper_core.timing.compute import (BYTES, LayerShape, attention_forward, dense_mlp_forward, expert_tokens,
                                        host_overhead_forward, moe_forward, shared_expert_forward)
-from piper_core.timing.topology import Group
+from piper_core.timing.routing import dedup_ratio
+from piper_core.timing.topology import Group, members_per_domain
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,14 +91,17 @@ Stage = tuple[str, float]  # (resource, seconds for one chunk)
 def _dispatch_stages(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, chunks: int) -> tuple[Stage, ...]:
     """One chunk's dispatch as stages in order, each on the resource it keeps busy: a flat exchange
     is one stage on the expert-parallel links (its levels run at once); a hierarchical one is an
-    intra-node stage then an inter-node stage; with etp > 1 the etp all-gather of what arrives
-    follows. The combine runs the same stages in reverse order."""
+    intra-node stage then an inter-node stage (a deduplicated one sends each token to a node once:
+    DeepEP's NVLink forwarding on the far side is priced as the intra-node stage); with etp > 1 the
+    etp all-gather of what arrives follows. The combine runs the same stages in reverse order."""
     _, received = expert_tokens(model, shape)
     sent = received / shape.etp
     group = Group(name="ep", size=shape.ep, stride=shape.etp)
     nbytes = sent * model.hidden_size * BYTES / chunks
-    if shape.a2a == "hierarchical":
-        stages = tuple(zip(("intra", "inter"), comm.hierarchical_stages(group, nbytes, cluster)))
+    if shape.a2a in ("hierarchical", "dedup"):
+        domains = group.size // members_per_domain(group, cluster.links[0].domain_gpus)  # as hierarchical_stages
+        share = dedup_ratio(model, domains) if shape.a2a == "dedup" else 1.0
+        stages = tuple(zip(("intra", "inter"), comm.hierarchical_stages(group, nbytes, cluster, inter_share=share)))
     else:
         stages = (("ep-links", comm.all_to_all_flat(group, nbytes, cluster)),)
     if shape.etp > 1:
@@ -153,8 +160,8 @@ def layer_cost(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, moe: b
         tp_f, tp_b = _tp_comm(model, shape, cluster, blocks=2)
         host = host_overhead_forward(model, shape, acc, moe=False)
         fwd = attn_rest + core + mlp + host
-        return _finish(shape, fwd=fwd, core=core, comm_f=tp_f + cp_f, comm_b=tp_b + cp_b,
-                       bwd_compute=2 * (fwd - host) + acc.backward_overhead_factor * host)
+        bwd_compute = 2 * (attn_rest + mlp) + core_backward(shape, core) + acc.backward_overhead_factor * host
+        return _finish(shape, fwd=fwd, core=core, comm_f=tp_f + cp_f, comm_b=tp_b + cp_b, bwd_compute=bwd_compute)
     rest, experts = moe_forward(model, shape, acc)
     chunks = shape.chunks
     blocks = 1 + (1 if model.moe_shared_expert_intermediate_size else 0)
@@ -179,14 +186,24 @@ def layer_cost(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, moe: b
     group = Group(name="ep", size=shape.ep, stride=shape.etp)
     a2a_f += comm.ring(group, shape.ep * model.num_experts * 8, cluster)
     host = host_overhead_forward(model, shape, acc, moe=True, chunks=chunks)
-    fwd = attn_rest + core + rest + exp_f + host
-    bwd_compute = 2 * (attn_rest + core + rest) + exp_b + acc.backward_overhead_factor * host
+    fwd = attn_rest + core + rest + exp_f + host + acc.moe_sync_us * 1e-6
+    bwd_compute = (2 * (attn_rest + rest) + core_backward(shape, core) + exp_b
+                   + acc.backward_overhead_factor * host)
     if shape.ep_overlap:
         a2a_f, a2a_b = _megatron_overlap(a2a_f, a2a_b, fwd + bwd_compute, shape.ep_overlap)
     cost = _finish(shape, fwd=fwd, core=core, comm_f=tp_f + cp_f, comm_b=tp_b + cp_b, a2a_f=a2a_f, a2a_b=a2a_b,
                    bwd_compute=bwd_compute)
     one_way = sum(t for _, t in _dispatch_stages(model, shape, cluster, 1))
     return dataclasses.replace(cost, a2a_raw=one_way)
+
+
+FLASH_BACKWARD = 2.5  # flash attention's core backward / forward (FlashAttention-2, section 4.1)
+
+
+def core_backward(shape: LayerShape, core: float) -> float:
+    """Core attention's backward from its forward time: flash recomputes the scores (2.5x), unfused
+    attention keeps them (2x)."""
+    return (FLASH_BACKWARD if shape.attention_backend == "flash" else 2.0) * core
 
 
 def _megatron_overlap(a2a_f: float, a2a_b: float, compute: float, share: float) -> tuple[float, float]:

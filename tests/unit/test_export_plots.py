@@ -36,6 +36,7 @@ MEGATRON_FLAGS = frozenset("""
 --multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim
 --kv-channels --group-query-attention --num-query-groups --num-experts --moe-ffn-hidden-size --moe-router-topk
 --moe-layer-freq --moe-token-dispatcher-type --moe-shared-expert-intermediate-size --moe-expert-capacity-factor
+--moe-router-num-groups --moe-router-group-topk --moe-flex-dispatcher-backend
 --tensor-model-parallel-size --pipeline-model-parallel-size --context-parallel-size --expert-model-parallel-size
 --expert-tensor-parallel-size --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers
 --num-layers-per-virtual-pipeline-stage --num-virtual-stages-per-pipeline-rank --sequence-parallel

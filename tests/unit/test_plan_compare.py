@@ -143,7 +143,7 @@ def _scored(plan, step=1.0, peak=10):
 
 @pytest.mark.parametrize("changes, rule", [
     (dict(a2a_chunks=8), "fewer exchange chunks"),
-    (dict(a2a="hierarchical"), "a flat exchange (not hierarchical)"),
+    (dict(a2a="hierarchical"), "a flat exchange (not staged)"),
     (dict(micro_batch_size=2, global_batch_size=128), "a smaller micro-batch"),
     (dict(recompute="selective"), "no recompute"),
     (dict(ep=8), "fewer expert-parallel ranks"),
@@ -158,7 +158,7 @@ def test_why_names_the_tie_break_rule_that_decided(changes, rule):
     assert ranked[0].plan == a
     sentence = plan_cli.why([predict(MIXTRAL, H100, a), predict(MIXTRAL, H100, b)], ranked)
     assert f"the tie goes to {rule} " in sentence
-    others = {"fewer exchange chunks", "a flat exchange (not hierarchical)", "a smaller micro-batch", "no recompute",
+    others = {"fewer exchange chunks", "a flat exchange (not staged)", "a smaller micro-batch", "no recompute",
               "fewer expert-parallel ranks", "fewer model-parallel ranks"} - {rule}
     assert not any(f"goes to {o} " in sentence for o in others)
 

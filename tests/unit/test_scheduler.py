@@ -45,7 +45,8 @@ def brute_force(model, cluster, gpus, gbs, space):
                                 etp=tp if etp_is_tp else 1, sequence_parallel=tp > 1, micro_batch_size=mbs,
                                 global_batch_size=gbs, recompute=rc, recompute_num_layers=1 if rc == "full" else None,
                                 distributed_optimizer=dopt, a2a=algo, a2a_chunks=chunks, ep_comm_overlap=overlap,
-                                shared_expert_overlap=bool(model.moe_shared_expert_intermediate_size) and not overlap)
+                                shared_expert_overlap=bool(model.moe_shared_expert_intermediate_size) and not overlap
+                                and algo != "dedup")
             check_plan(model, plan)
         except SpecError:
             continue
@@ -247,7 +248,7 @@ def reference_search(model, cluster, gpus, gbs, space=None, memory_headroom=0.0,
     for combo in grid(space):
         if combo[5] and combo[0] == 1:
             continue
-        variants = _variants(space, combo)
+        variants = _variants(space, combo, cluster)
         result.candidates += len(variants)
         kwargs, reason = _structural(model, gpus, gbs, combo, space.sequence_parallel)
         if kwargs is None:
@@ -270,6 +271,8 @@ def reference_search(model, cluster, gpus, gbs, space=None, memory_headroom=0.0,
             changes = dict(a2a=algo, a2a_chunks=chunks)
             if overlap:
                 changes.update(ep_comm_overlap=True, shared_expert_overlap=False)
+            if algo == "dedup":  # the flex dispatcher: no shared-expert overlap, no Piper deferral
+                changes.update(shared_expert_overlap=False, defer_wgrad=False)
             plan = replace(base, **changes)
             result.scored.append(Scored(plan=plan, step_s=step_time(model, plan, cluster, exact=False).step,
                                         peak_bytes=peak))
@@ -436,13 +439,14 @@ def test_a_forked_worker_that_fails_or_dies_is_reported_not_waited_for(monkeypat
 def test_a_space_that_defers_weight_gradients_gives_them_to_every_plan_but_megatrons_ep_overlap():
     """``SearchSpace.defer_wgrad`` (``--piper-defer-wgrad``): every plan with ep > 1 defers, except the
     EP-overlap variants, which bring Megatron's own --delay-wgrad-compute instead (ParallelPlan refuses
-    the two together); and each such plan is timed with the deferral."""
+    the two together), and the flex dispatcher's (dedup), which Piper's runtime does not run; and each
+    such plan is timed with the deferral."""
     cluster = load_cluster("dgx-h100")
     space = dataclasses.replace(DS_SPACE, defer_wgrad=True)
     result = search(DEEPSEEK_7, cluster, 64, 256, space=space)
     plans = [s.plan for s in result.scored]
     assert any(p.ep_comm_overlap for p in plans) and any(p.defer_wgrad for p in plans)
-    assert all(p.defer_wgrad == (p.ep > 1 and not p.ep_comm_overlap) for p in plans)
+    assert all(p.defer_wgrad == (p.ep > 1 and not p.ep_comm_overlap and p.a2a != "dedup") for p in plans)
     for s in result.scored[:200]:  # the closed form, or for the leading plans the exact schedule
         assert s.step_s in (step_time(DEEPSEEK_7, s.plan, cluster, exact=False).step,
                             step_time(DEEPSEEK_7, s.plan, cluster).step)

@@ -178,3 +178,60 @@ def test_capacity_factor_needs_experts():
     with pytest.raises(SpecError, match=r"--capacity-factor='1.0': applies to MoE models; dense has no routed experts"):
         from piper_core.cli import parse
         parse._capacity_factor(dense, "1.0")
+
+
+# ---- 4. flash attention's backward, the dispatcher's host sync ------------------------------------
+
+def _layer(model, cluster, moe, **kw):
+    from piper_core.timing.layer import layer_cost
+    p = plan(model, **{**dict(gpus=8, ep=8, global_batch_size=8), **kw})
+    return layer_cost(model, shape_of(p), cluster, moe)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_flash_backward_recomputes_the_scores_unfused_keeps_them(moe):
+    """Only the core attention's backward factor differs between the backends (2.5x against 2x
+    its forward); the unfused forward also streams the scores, so compare each against its own core."""
+    from piper_core.timing.compute import attention_forward
+    for backend, factor in (("flash", 2.5), ("unfused", 2.0)):
+        p = plan(MIXTRAL, gpus=8, ep=8, global_batch_size=8, attention_backend=backend)
+        s = shape_of(p)
+        _, core = attention_forward(MIXTRAL, s, H100.accelerator)
+        with_core = _layer(MIXTRAL, H100, moe, attention_backend=backend)
+        bwd_rest = with_core.compute_bwd - factor * core
+        assert core > 0
+        assert bwd_rest == pytest.approx(_backward_without_core(MIXTRAL, s, moe), rel=1e-9), backend
+
+
+def _backward_without_core(model, s, moe):
+    """The backward the layer prices for everything but core attention (2x each forward GEMM and
+    element-wise pass, the experts' 2x, host work at its factor): built from the compute terms."""
+    from piper_core.timing.compute import (attention_forward, dense_mlp_forward, host_overhead_forward,
+                                           moe_forward)
+    acc = H100.accelerator
+    attn_rest, _ = attention_forward(model, s, acc)
+    if not moe:
+        return 2 * (attn_rest + dense_mlp_forward(model, s, acc)) + acc.backward_overhead_factor * host_overhead_forward(
+            model, s, acc, moe=False)
+    rest, experts = moe_forward(model, s, acc)
+    return 2 * (attn_rest + rest + experts) + acc.backward_overhead_factor * host_overhead_forward(model, s, acc, moe=True)
+
+
+def test_each_moe_forward_pays_the_dispatch_sync_and_a_full_recompute_pays_it_again():
+    sync = H100.accelerator.moe_sync_us * 1e-6
+    assert sync == pytest.approx(26e-6)
+    off = dataclasses.replace(H100, accelerator=dataclasses.replace(H100.accelerator, moe_sync_us=0.0))
+    on, none = _layer(MIXTRAL, H100, True), _layer(MIXTRAL, off, True)
+    assert on.compute_fwd - none.compute_fwd == pytest.approx(sync)
+    assert on.compute_bwd == pytest.approx(none.compute_bwd)  # the backward reuses the host's splits
+    full = dict(recompute="full", recompute_num_layers=1)
+    assert (_layer(MIXTRAL, H100, True, **full).compute_bwd - _layer(MIXTRAL, off, True, **full).compute_bwd
+            == pytest.approx(sync))
+    dense_on, dense_off = _layer(MIXTRAL, H100, False), _layer(MIXTRAL, off, False)
+    assert dense_on.compute_fwd == pytest.approx(dense_off.compute_fwd)  # dense layers do not route
+    assert CPU.accelerator.moe_sync_us == 0.0  # CPU ranks: host and device are one
+
+
+def test_a_negative_sync_is_refused_naming_the_key():
+    with pytest.raises(SpecError, match="accelerator.moe_sync_us"):
+        dataclasses.replace(H100.accelerator, moe_sync_us=-1.0)
