@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 # disturb their timings
 REALTIME := $(if $(filter 0,$(shell id -u)),--realtime,)
 
-.PHONY: install run calibrate validate test test-unit test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e clean
+.PHONY: install run calibrate validate validate-fp32 test test-unit test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -42,6 +42,12 @@ calibrate: install
 validate: install
 	$(PIPER) validate $(REALTIME) --recalibrate --profiles docs/validation/profiles \
 	  --json docs/validation/results.json --plot docs/validation
+
+# The same suite trained in fp32 (piper_core/validate/suites/full-fp32.yaml), from profiles calibrated
+# in fp32: what a CPU without bf16 instructions trains in natively (~30 min on 2 cores, root)
+validate-fp32: install
+	$(PIPER) validate --suite full-fp32 $(REALTIME) --recalibrate --profiles docs/validation/fp32/profiles \
+	  --json docs/validation/fp32/results.json --plot docs/validation/fp32
 
 # Benchmarks (not part of `make test`): scheduler search speed over the full space; the all-to-all
 # and the pipelined MoE layer on the emulated 2-node cluster (root, ~20-25 min; docs/alltoall.md).

@@ -136,8 +136,10 @@ def parallel_flags(model: ModelSpec, plan: ParallelPlan, accelerator: Accelerato
             flags.append(("--no-overlap-p2p-communication", None))
     if plan.sequence_parallel:
         flags.append(("--sequence-parallel", None))
-    flags += [("--micro-batch-size", plan.micro_batch_size), ("--global-batch-size", plan.global_batch_size),
-              (f"--{plan.precision}", None), ("--attention-backend", plan.attention_backend)]
+    flags += [("--micro-batch-size", plan.micro_batch_size), ("--global-batch-size", plan.global_batch_size)]
+    if plan.precision != "fp32":  # fp32 training is Megatron's default: neither --bf16 nor --fp16
+        flags.append((f"--{plan.precision}", None))
+    flags.append(("--attention-backend", plan.attention_backend))
     if plan.recompute == "selective":  # validate_args: no --recompute-method with selective
         flags.append(("--recompute-granularity", "selective"))
     elif plan.recompute == "full":
@@ -274,7 +276,8 @@ def deepspeed_config(p: Prediction) -> dict[str, Any]:
         "train_batch_size": plan.global_batch_size,
         "train_micro_batch_size_per_gpu": plan.micro_batch_size,
         "gradient_accumulation_steps": plan.num_microbatches,
-        plan.precision: {"enabled": True},
+        # fp32 training: no bf16/fp16 block (DeepSpeed's default)
+        **({} if plan.precision == "fp32" else {plan.precision: {"enabled": True}}),
         "zero_optimization": zero,
     }
     if plan.grad_reduce_in_bf16:  # Megatron --grad-reduce-in-bf16: keep and reduce gradients in bf16

@@ -9,7 +9,8 @@ with the very same arguments. Otherwise, in this order:
    pipeline stages only for a ``PipelineModule`` and only even splits, no recompute or optimizer
    offload, which Piper cannot impose on a user's model; only ep > 1 when the block names an
    all-to-all), or takes the block's pinned ``plan`` (refused over the memory limit the search
-   applies, ``memory_headroom`` included);
+   applies, ``memory_headroom`` included), either priced in the config's precision
+   (:func:`planned_precision`: fp32 when neither bf16 nor fp16 is enabled);
 3. the config is rewritten (a copy): ``train_micro_batch_size_per_gpu``, ``gradient_accumulation_steps``
    (``train_batch_size`` kept, so the three agree), ``zero_optimization.stage`` (the user's stage is
    a floor: the plan's distributed optimizer needs >= 1), ``pipeline.stages``, and the block itself
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.pipe import PipelineModule
+from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
@@ -137,9 +139,22 @@ def global_batch(config: Mapping[str, Any], world_size: int, stages: int) -> int
                     "size and derives gradient accumulation)", "set train_batch_size (sequences per step)")
 
 
+def trains_in_fp32(config: Mapping[str, Any]) -> bool:
+    """Whether ``config`` trains in fp32: neither ``bf16`` (or its old spelling ``bfloat16``) nor
+    ``fp16`` enabled, read as DeepSpeed reads them (``deepspeed.runtime.precision_config``)."""
+    return not (get_bfloat16_config(config).enabled or get_float16_config(config).enabled)
+
+
+def planned_precision(config: Mapping[str, Any]) -> str:
+    """The precision the plans of ``config`` are priced in: fp32 for an fp32 config (fp32 weights and
+    gradients; at ZeRO 0 the engine steps torch's optimizer on the parameters themselves), else bf16
+    (an fp16 config is priced as bf16: DeepSpeed's fp16 loss scaling is not modelled)."""
+    return "fp32" if trains_in_fp32(config) else "bf16"
+
+
 def deepspeed_space(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, world_size: int, *,
-                    pipeline: bool, min_stage: int) -> SearchSpace:
-    """The plans DeepSpeed(-MoE) can run (see the module doc). An explicit all-to-all
+                    pipeline: bool, min_stage: int, precision: str) -> SearchSpace:
+    """The plans DeepSpeed(-MoE) can run (see the module doc), in ``precision``. An explicit all-to-all
     (``block.requested_exchange``) keeps only ep > 1, as ``piper_megatron.pins.restrict`` does; with
     none left it is refused, never dropped for an ep = 1 plan."""
     base = default_space(model, cluster, world_size)
@@ -155,7 +170,8 @@ def deepspeed_space(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, 
     return SearchSpace(tp=(1,), pp=pp, vpp=(1,), cp=(1,), ep=ep, etp_equals_tp=(False,), mbs=base.mbs,
                        recompute=("none",), distributed_optimizer=(True,) if min_stage >= 1 else (True, False),
                        a2a=block.a2a_choices() if model.is_moe else (UNPIPELINED,),
-                       memory_savers=((False, 0.0),), defer_wgrad=block.defer_wgrad and model.is_moe)
+                       memory_savers=((False, 0.0),), defer_wgrad=block.defer_wgrad and model.is_moe,
+                       precision=precision)
 
 
 def plan_for(config: Mapping[str, Any] | str, world_size: int, *, pipeline: bool = False,
@@ -178,11 +194,14 @@ def plan_for(config: Mapping[str, Any] | str, world_size: int, *, pipeline: bool
                         "set zero_optimization.stage to 0 or 1")
     gbs = global_batch(raw, world_size, stages or 1)
     cluster = with_grouped_gemm(block.cluster_spec(), False)  # DeepSpeed's experts run one GEMM each
+    precision = planned_precision(raw)
     if block.plan is not None:
-        best, result = _pinned(block, spec, cluster, world_size, gbs, pipeline=pipeline, min_stage=user_stage), None
+        best, result = _pinned(block, spec, cluster, world_size, gbs, pipeline=pipeline, min_stage=user_stage,
+                               precision=precision), None
         top = (best,)
     else:
-        space = deepspeed_space(block, spec, cluster, world_size, pipeline=pipeline, min_stage=user_stage)
+        space = deepspeed_space(block, spec, cluster, world_size, pipeline=pipeline, min_stage=user_stage,
+                                precision=precision)
         result = search(spec, cluster, world_size, gbs, space=space, memory_headroom=block.memory_headroom)
         result.scored = _without_shared_overlap(spec, cluster, result.scored)
         top = tuple(p for p in best_predictions(spec, cluster, result, TOP) if deepspeed_piper(p.plan) is None)
@@ -220,7 +239,7 @@ def _needs_ep(request: tuple[str, Any], why: str, fix: str) -> SpecError:
 
 
 def _pinned(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, world_size: int, gbs: int, *,
-            pipeline: bool, min_stage: int) -> Prediction:
+            pipeline: bool, min_stage: int, precision: str) -> Prediction:
     """The pinned plan, with the block's all-to-all (auto: the fastest predicted variant). Refused
     when it exceeds the memory limit the search applies (capacity less ``memory_headroom``), or when
     it has ep = 1 and the block asks for an exchange other than flat (the export's value for ep = 1)."""
@@ -234,7 +253,7 @@ def _pinned(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, world_si
     try:
         base = ParallelPlan(gpus=world_size, tp=pin.tp, pp=pin.pp, vpp=pin.vpp if pin.vpp > 1 else None, cp=pin.cp,
                             ep=pin.ep, etp=pin.etp, micro_batch_size=pin.mbs, global_batch_size=gbs,
-                            distributed_optimizer=min_stage >= 1,
+                            distributed_optimizer=min_stage >= 1, precision=precision,
                             defer_wgrad=block.defer_wgrad and model.is_moe and pin.ep > 1)
     except SpecError as exc:
         raise SpecError(exc.key, exc.value, exc.rule, exc.fix, where=f"piper.plan on {world_size} ranks") from None
@@ -341,8 +360,9 @@ def report(choice: PlanChoice, changes: list[Change], config: Mapping[str, Any],
     else:
         lines.append("piper: ep=1: no expert-parallel all-to-all; MoE layers stay DeepSpeed's")
     lines += [f"piper: note: {note}" for note in choice.notes]
-    if not any((config.get(k) or {}).get("enabled") for k in ("bf16", "fp16")):
-        lines.append("piper: note: this config trains in fp32; the prediction assumes bf16 weights and activations")
+    if plan.precision == "fp32":
+        lines.append("piper: note: this config trains in fp32 (neither bf16 nor fp16 enabled): planned for fp32 "
+                     "weights, gradients and activations")
     return "\n".join(lines)
 
 

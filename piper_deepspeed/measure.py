@@ -4,8 +4,10 @@ DeepSpeed side of ``piper validate``; :mod:`piper_megatron.train` is the Megatro
 The real DeepSpeed path: :func:`piper_deepspeed.builder.build_model` builds the Switch-style decoder
 for the plan (DeepSpeed ``MoE`` layers with ``ep_size = plan.ep``), :func:`piper_deepspeed.initialize`
 reads a ``"piper"`` block pinned to the plan, swaps in Piper's MoE layer and hands the engine a
-config with bf16 (DeepSpeed's BF16_Optimizer: fp32 master weights and gradients, as the memory model
-prices a non-distributed optimizer), ZeRO 0 and torch's Adam; each step runs ``engine(tokens)``,
+config in the plan's precision -- bf16 (``"bf16": {"enabled": true}``: fp32 master weights beside the
+bf16 ones, as the memory model prices a non-distributed optimizer) or fp32 (no bf16/fp16 block,
+DeepSpeed's default: torch's Adam steps the fp32 parameters themselves, no master copy) --, ZeRO 0
+and torch's Adam; each step runs ``engine(tokens)``,
 ``engine.backward``, ``engine.step`` per micro-batch. Each rank measures, as the Megatron trainer does,
 the wall time of each step between two barriers, the bytes of its parameters and the peak of the
 activation storages held for backward (saved-tensor hooks). Pipeline parallel plans are refused
@@ -47,7 +49,8 @@ def init_deepspeed_comm() -> None:
 
 
 def ds_config(job: TrainJob) -> dict[str, Any]:
-    """The DeepSpeed config of ``job``: its batch, bf16, ZeRO 0, Adam, and a piper block pinned to its
+    """The DeepSpeed config of ``job``: its batch, its precision (a ``bf16`` block for bf16, none for
+    fp32; fp16 is refused: its loss scaling is not modelled), ZeRO 0, Adam, and a piper block pinned to its
     plan (so :func:`piper_deepspeed.initialize` rewrites nothing and runs the plan's all-to-all; its
     chunk count tuned at run time with ``job.tune``). ``job.stock``: no block, so DeepSpeed's own MoE
     layer runs (the model is built for ``plan.ep`` either way)."""
@@ -62,8 +65,13 @@ def ds_config(job: TrainJob) -> dict[str, Any]:
         raise SpecError("attention_backend", plan.attention_backend, "Piper's DeepSpeed builder runs torch's "
                         "scaled_dot_product_attention, which keeps no score matrix: the model prices it as flash",
                         "set attention_backend=flash in the plan")
+    if plan.precision not in ("bf16", "fp32"):
+        raise SpecError("precision", plan.precision, "the DeepSpeed trainer runs bf16 mixed precision and fp32 "
+                        "training; fp16 needs DeepSpeed's loss scaling, which Piper does not model",
+                        "set precision bf16 or fp32")
     config = {"train_batch_size": plan.global_batch_size, "train_micro_batch_size_per_gpu": plan.micro_batch_size,
-              "gradient_accumulation_steps": plan.num_microbatches, "bf16": {"enabled": True},
+              "gradient_accumulation_steps": plan.num_microbatches,
+              **({"bf16": {"enabled": True}} if plan.precision == "bf16" else {}),  # fp32: no block (the default)
               "zero_optimization": {"stage": 0},
               "optimizer": {"type": "Adam", "params": {"lr": job.lr, "torch_adam": True}}}
     if job.stock:  # no block: piper_deepspeed.initialize hands DeepSpeed the very same objects

@@ -144,13 +144,14 @@ def _plan_only(args: TrainArgs, spec: ModelSpec, world: int, rank: int) -> None:
 def _layout(args: TrainArgs, spec: ModelSpec, world: int) -> ParallelPlan:
     """The plan the model is built for: Piper's with an enabled block, else ``--ep``/``--stages``."""
     from piper_deepspeed.config import read_block
-    from piper_deepspeed.initialize import plan_for
+    from piper_deepspeed.initialize import plan_for, planned_precision
 
     block = read_block(args.config)
     if block is not None and block.enabled:
         return plan_for(args.config, world, pipeline=args.pipeline, model_spec=spec).plan
     stages = args.stages if args.pipeline else 1
-    return ParallelPlan(gpus=world, pp=stages, ep=args.ep, global_batch_size=world // stages)
+    return ParallelPlan(gpus=world, pp=stages, ep=args.ep, global_batch_size=world // stages,
+                        precision=planned_precision(args.config))
 
 
 def train(args: TrainArgs) -> Run:

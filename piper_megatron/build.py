@@ -44,7 +44,9 @@ from piper_core.specs.parallel import ParallelPlan
 
 Device = Literal["cuda", "cpu", "meta"]
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Parameter dtype per precision: bf16/fp16 as Float16Module casts the model; fp32 (neither --bf16 nor
+# --fp16) keeps Megatron's fp32 parameters, with TransformerConfig.bf16 = fp16 = False.
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Config settings each build device needs. meta: tensors without storage, so nothing to initialise
 # (and Megatron's GPU path passes device=current_device explicitly, which would escape the meta

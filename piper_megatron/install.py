@@ -128,29 +128,30 @@ def _cluster(options: PiperOptions) -> tuple[ClusterSpec, list[str]]:
 # --grad-reduce-in-bf16 only under --bf16 (fp32 gradients stay fp32), and the offloaded optimizer runs
 # the precision-aware optimizer, whose savings Piper prices as fp32 master copies of bf16 weights.
 _BF16_ONLY = (("grad_reduce_in_bf16", "--grad-reduce-in-bf16"), ("optimizer_cpu_offload", "--optimizer-cpu-offload"))
-FP32_NOTE = ("this job trains in fp32 (no --bf16): the plan is chosen and its memory and step time predicted for "
-             "bf16 mixed precision; the search leaves out bf16 gradient reduction and optimizer offload")
+FP32_NOTE = ("this job trains in fp32 (no --bf16): planned for fp32 training (fp32 weights, gradients and "
+             "activations, Adam on the weights themselves); the search leaves out bf16 gradient reduction and "
+             "optimizer offload")
 
 
-def _check_precision(ns: Any, pins: Pins) -> str | None:
-    """bf16 (what the search plans: ParallelPlan's default) passes; fp32 passes with a note (the
-    predictions assume bf16) unless a bf16-only flag is pinned; fp16 is refused (its loss scaling
-    and fp16 weights are not modelled). Returns the note, or None."""
+def _precision(ns: Any, pins: Pins) -> str:
+    """The precision the job trains in, which the search plans for: bf16 (--bf16), or fp32 (neither
+    --bf16 nor --fp16, Megatron's default) unless a bf16-only flag is pinned; fp16 is refused (its
+    loss scaling is not modelled)."""
     if getattr(ns, "bf16", False):
-        return None
+        return "bf16"
     if getattr(ns, "fp16", False):
-        raise SpecError("precision", "fp16", "Piper's search plans bf16 mixed-precision training (fp32 runs with a "
-                        "note); fp16's loss scaling is not modelled", "use --bf16, or drop --fp16 to train in fp32")
+        raise SpecError("precision", "fp16", "Piper's search plans bf16 mixed precision and fp32 training; fp16's "
+                        "loss scaling is not modelled", "use --bf16, or drop --fp16 to train in fp32")
     bf16_only = [flag for dest, flag in _BF16_ONLY if pins.values.get(dest)]
     if bf16_only:
         raise SpecError(bf16_only[0], True, "acts only in bf16 mixed precision, and this job trains in fp32 (no "
                         "--bf16)", f"add --bf16, or drop {', '.join(bf16_only)}")
-    return FP32_NOTE
+    return "fp32"
 
 
 def _fp32_space(space: SearchSpace) -> SearchSpace:
-    """No bf16 gradient reduction or optimizer offload (see :data:`_BF16_ONLY`) for an fp32 job."""
-    return dataclasses.replace(space, memory_savers=((False, 0.0),))
+    """fp32 plans, without bf16 gradient reduction or optimizer offload (see :data:`_BF16_ONLY`)."""
+    return dataclasses.replace(space, precision="fp32", memory_savers=((False, 0.0),))
 
 
 def _attention(ns: Any) -> str:
@@ -173,10 +174,10 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
         raise SpecError("world size", world_size, "must be >= 1", "launch with torchrun, or pass --piper-world-size N "
                         "with --piper-plan-only")
     model, pins = model_spec_from_args(ns, defaults), pins_from(argv, options)
-    precision_note = _check_precision(ns, pins)
+    fp32 = _precision(ns, pins) == "fp32"
     cluster, notes = _cluster(options)
     cluster = _experts_as_written(ns, options, cluster)
-    notes += [*options.notes, *([precision_note] if precision_note else [])]
+    notes += [*options.notes, *([FP32_NOTE] if fp32 else [])]
     gbs = getattr(ns, "global_batch_size", None)
     if gbs is None:
         raise SpecError("--global-batch-size", None, "is required with --piper (Megatron's default, micro batch x "
@@ -185,7 +186,7 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
     space = restrict(widen(default_space(model, cluster, world_size), resume), pins)
     if options.defer_wgrad:  # every ep > 1 plan defers (search.py); ep = 1 plans have nothing to defer behind
         space = dataclasses.replace(space, defer_wgrad=True)
-    if precision_note:
+    if fp32:
         space = _fp32_space(space)
     if limit is not None:
         space = limit(space)

@@ -1,7 +1,8 @@
 """Measure the activation memory one Megatron-Core transformer layer keeps for backward (CPU).
 
 The reference for :mod:`piper_core.resource.activations`. One layer is built from the local spec
-(:mod:`piper_megatron.build`), cast to the plan's precision as ``Float16Module`` does, and run
+(:mod:`piper_megatron.build`), cast to the plan's precision as ``Float16Module`` does (an fp32 plan
+keeps Megatron's fp32 parameters: fp32 training has no ``Float16Module``), and run
 forward under ``torch.autograd.graph.saved_tensors_hooks``. Every tensor autograd saves is recorded;
 after the forward, the storages still held by the graph are summed once each (views share a
 storage, and a saved view keeps its whole storage alive). Saves whose graph branch died inside the
@@ -18,7 +19,9 @@ else, the run is set up to keep what the GPU keeps, or the difference is declare
 :data:`CPU_KERNELS` for the formula:
 
 * softmax: CUDA uses ``scaled_upper_triang_masked_softmax`` (keeps its bf16 output); on CPU
-  ``attention_softmax_in_fp32=False`` makes the torch fallback keep the same bf16 output;
+  ``attention_softmax_in_fp32=False`` makes the torch fallback keep the same bf16 output (in fp32
+  the fused kernel does not apply, ``FusedScaleMaskSoftmax.is_kernel_available``, and both run the
+  torch fallback, keeping fp32 probabilities);
 * SwiGLU and bias-dropout-add: Megatron's fused autograd functions (``bias_activation_fusion``,
   ``bias_dropout_fusion``, on in megatron.training) run eagerly (TorchDynamo disabled);
 * RoPE fusion, a bool dropout mask and fp32 norm statistics are CUDA-only: see :data:`CPU_KERNELS`;
@@ -56,7 +59,7 @@ from piper_megatron.build import layer_spec, transformer_config
 CPU_KERNELS = Kernels(rope_fusion=False, dropout_mask_bytes=2, norm_stats_bytes=2)
 
 Kind = Literal["activation", "parameter", "model_input"]
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -196,7 +199,9 @@ def _build(model: ModelSpec, plan: ParallelPlan, moe: bool, overrides: dict[str,
                                   post_layer_norm=False, pre_process=True, post_process=False)
     else:
         module = build_module(spec, config=config, layer_number=1)
-    return module.to(_DTYPES[plan.precision]).train()  # as Float16Module casts the model
+    if plan.precision != "fp32":  # as Float16Module casts the model; fp32 training has none
+        module = module.to(_DTYPES[plan.precision])
+    return module.train()
 
 
 def measure_layer_activations(model: ModelSpec, plan: ParallelPlan, *, moe: bool, seed: int = 0,

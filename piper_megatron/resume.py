@@ -272,7 +272,8 @@ def narrow(space: SearchSpace, resume: Resume, model: ModelSpec, pins: Pins, *, 
         if value not in allowed:
             _ruled_out(resume, pins, dim, value, allowed)
     try:
-        plan = ParallelPlan(gpus=world_size, global_batch_size=gbs, attention_backend=attention, **r)
+        plan = ParallelPlan(gpus=world_size, global_batch_size=gbs, attention_backend=attention,
+                            precision=space.precision, **r)
     except SpecError as exc:
         raise SpecError("--load", str(resume.directory), f"the plan its checkpoint was saved with, "
                         f"{resume.record.plan}, does not hold for this command line: {exc}", "resume with the batch "

@@ -3,8 +3,10 @@
     python -m piper_megatron.train --model tiny-moe --ranks 4 --parallel "ep=2,pp=2,mbs=2,gbs=8" --steps 5
 
 The real Megatron-Core path: :mod:`piper_megatron.build` builds the GPTModel of each pipeline rank
-(local modules, bf16 parameters), Megatron's ``DistributedDataParallel`` (fp32 main gradients),
-Megatron's mixed-precision Adam (``get_megatron_optimizer``), and Megatron's schedule
+(local modules, parameters in the plan's precision), Megatron's ``DistributedDataParallel`` (main
+gradients in fp32, or bf16 with ``grad_reduce_in_bf16``, as ``validate_args`` sets them), the Adam that
+``get_megatron_optimizer`` picks for the precision (:func:`host_optimizer`: bf16 steps fp32 master
+copies, fp32 steps the parameters themselves; fp16's loss scaling is not run), and Megatron's schedule
 (``get_forward_backward_func``: 1F1B with pp > 1); the MoE layers use Piper's token dispatcher
 (:func:`piper_megatron.dispatcher.install_dispatcher`) with the plan's all-to-all, or Megatron's
 own with ``--stock``. Each rank measures, per step, the wall time between two barriers, and once:
@@ -30,6 +32,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from piper_core.errors import SpecError
+from piper_core.specs.parallel import ParallelPlan
 from piper_core.trainers import Trainer
 from piper_core.validate.instrument import ActivationPeak, TrainJob, median, summary, tensor_ledger
 
@@ -50,8 +54,9 @@ def _phases(trace: Path) -> dict[str, float]:
 
 class MixedPrecisionAdam:
     """Megatron's mixed-precision step without its CUDA-only optimizer classes: Adam on fp32 master
-    copies of the bf16 parameters, reading DDP's fp32 ``main_grad``, writing the bf16 copies back
-    (the state Piper's memory model prices for a non-distributed optimizer)."""
+    copies of the bf16 parameters, reading DDP's ``main_grad`` (as fp32), writing the bf16 copies back
+    (``Float16OptimizerWithFloat16Params``; the state Piper's memory model prices for a
+    non-distributed optimizer)."""
 
     def __init__(self, params: list[Any], *, lr: float):
         import torch
@@ -64,11 +69,52 @@ class MixedPrecisionAdam:
         import torch
 
         for p, m in zip(self.params, self.masters):
-            m.grad = p.main_grad
+            m.grad = p.main_grad.float()  # _copy_model_grads_to_main_grads (a no-op on fp32 main grads)
         self.adam.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.masters):
                 p.copy_(m)
+
+
+class FP32Adam:
+    """Megatron's ``FP32Optimizer`` (fp32 training: neither --bf16 nor --fp16) without its CUDA-only
+    loss-scale tensor: Adam steps the fp32 parameters themselves, each ``grad`` set to DDP's
+    ``main_grad`` (``prepare_grads``), so its state is Adam's m and v alone -- no master copy."""
+
+    def __init__(self, params: list[Any], *, lr: float):
+        import torch
+
+        self.params = params
+        self.adam = torch.optim.Adam(params, lr=lr)
+
+    def step(self) -> None:
+        for p in self.params:
+            p.grad = p.main_grad
+        self.adam.step()
+        # FP32Optimizer.zero_grad, which Megatron's train_step calls before the next backward: a grad
+        # left aliasing DDP's buffer would take autograd's accumulation, then DDP's hook adds it again
+        for p in self.params:
+            p.grad = None
+
+
+def host_optimizer(params: list[Any], plan: ParallelPlan, *, lr: float) -> MixedPrecisionAdam | FP32Adam:
+    """The Adam ``get_megatron_optimizer`` builds for ``plan.precision`` (non-distributed), on the host."""
+    check_precision(plan)
+    return FP32Adam(params, lr=lr) if plan.precision == "fp32" else MixedPrecisionAdam(params, lr=lr)
+
+
+def check_precision(plan: ParallelPlan) -> None:
+    """The trainer runs bf16 and fp32 training; fp16 needs Megatron's loss scaler, which it does not run."""
+    if plan.precision not in ("bf16", "fp32"):
+        raise SpecError("precision", plan.precision, "the CPU trainer runs bf16 mixed precision and fp32 training; "
+                        "fp16 needs Megatron's dynamic loss scaling, which it does not run",
+                        "set precision bf16 or fp32")
+
+
+def _grad_reduce_in_fp32(plan: ParallelPlan) -> bool:
+    """DDP's ``grad_reduce_in_fp32`` as megatron.training sets it (``accumulate_allreduce_grads_in_fp32``,
+    true under --bf16 unless --grad-reduce-in-bf16): fp32 training's buffer is fp32 as its parameters are."""
+    return plan.precision == "bf16" and not plan.grad_reduce_in_bf16
 
 
 def _config_overrides() -> dict[str, Any]:
@@ -116,10 +162,10 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path, tensors: Any
         # overlap_grad_reduce as --piper sets it and the step-time model assumes (one bucket exposed);
         # without sync_grads neither the hooks nor finalize_model_grads reduce anything
         ddp = DistributedDataParallel(gpt.config, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=job.sync_grads), gpt)
+            grad_reduce_in_fp32=_grad_reduce_in_fp32(plan), overlap_grad_reduce=job.sync_grads), gpt)
         gpt.config.finalize_model_grads_func = finalize_model_grads if job.sync_grads else None
         gpt.config.no_sync_func = ddp.no_sync
-        optimizer = MixedPrecisionAdam(list(ddp.parameters()), lr=job.lr)
+        optimizer = host_optimizer(list(ddp.parameters()), plan, lr=job.lr)
         s, mbs, m = model.seq_length, plan.micro_batch_size, plan.num_microbatches
         g = torch.Generator().manual_seed(job.seed + parallel_state.get_data_parallel_rank())
         batches = [torch.randint(0, model.vocab_size, (mbs, s + 1), generator=g) for _ in range(m)]

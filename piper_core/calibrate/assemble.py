@@ -32,7 +32,7 @@ from piper_core.emulate.netns import tbf_burst_bytes
 from piper_core.emulate.spec import TCP_PAYLOAD_EFFICIENCY
 from piper_core.specs.cluster import AcceleratorSpec, ClusterSpec, LinkLevel
 from piper_core.timing import comm
-from piper_core.timing.compute import gemm_time
+from piper_core.timing.compute import element_bytes, gemm_time
 from piper_core.timing.topology import Group, level_shares
 
 DOMINATES = 0.7
@@ -223,31 +223,38 @@ def check_collectives(benchmarks: dict[str, Any], cluster: ClusterSpec) -> dict[
 
 # ---- accelerator -------------------------------------------------------------------------------
 
-def _points(rows: Sequence[dict[str, float]]) -> list[GemmPoint]:
-    return [GemmPoint(m=r["m"], n=r["n"], k=r["k"], seconds=r["seconds"]) for r in rows]
+def _points(rows: Sequence[dict[str, float]], dtype: str = "bf16") -> list[GemmPoint]:
+    return [GemmPoint(m=r["m"], n=r["n"], k=r["k"], seconds=r["seconds"], element_bytes=element_bytes(dtype))
+            for r in rows]
 
 
-def fit_accelerator(benchmarks: dict[str, Any], base: AcceleratorSpec) -> tuple[AcceleratorSpec, dict[str, Any]]:
-    """The accelerator's roofline terms from the GEMM and copy benchmarks (see the module doc)."""
+def fit_accelerator(benchmarks: dict[str, Any], base: AcceleratorSpec,
+                    precision: str = "bf16") -> tuple[AcceleratorSpec, dict[str, Any]]:
+    """The accelerator's roofline terms from the GEMM and copy benchmarks (see the module doc).
+    ``precision``: the dtype of the efficiency curve (the training precision the profile is for);
+    the other dtypes' peaks are fitted against it. ``gemm_half_size`` is kept in bf16 terms
+    (:mod:`piper_core.timing.gemm` scales it by the precision's peak)."""
     fields: dict[str, float] = {}
     report: dict[str, Any] = {}
     copy = benchmarks.get("memory")
     hbm = copy["gb_per_s"] if copy else base.hbm_gb_per_s
     gemm = benchmarks.get("gemm")
-    if gemm is None or len(gemm.get("bf16", [])) < 3:
+    if gemm is None or len(gemm.get(precision, [])) < 3:
         report["gemm"] = {"source": f"base accelerator {base.name} (GEMMs not measured)"}
         if copy:
             fields["hbm_gb_per_s"] = hbm
         return dataclasses.replace(base, **fields), report
-    g = fit_roofline(_points(gemm["bf16"]))
+    g = fit_roofline(_points(gemm[precision], precision))
     peak = max(g.best_rate, g.compute_flops_per_s)
     eff = min(1.0, g.compute_flops_per_s / peak)
-    fields.update(peak_tflops_bf16=_sig(peak / 1e12), gemm_efficiency=_sig(eff, 4),
-                  gemm_half_size=_sig(g.half_size), kernel_latency_us=_sig(g.latency_s * 1e6))
-    for dtype, key in (("fp32", "peak_tflops_fp32"), ("fp16", "peak_tflops_fp16")):
-        rate = fit_compute_rate(_points(gemm.get(dtype, [])), g)
+    fields.update({f"peak_tflops_{precision}": _sig(peak / 1e12)}, gemm_efficiency=_sig(eff, 4),
+                  kernel_latency_us=_sig(g.latency_s * 1e6))
+    for dtype in ("bf16", "fp32", "fp16"):
+        rate = None if dtype == precision else fit_compute_rate(_points(gemm.get(dtype, []), dtype), g)
         if rate is not None:
-            fields[key] = _sig(rate / fields["gemm_efficiency"] / 1e12)
+            fields[f"peak_tflops_{dtype}"] = _sig(rate / fields["gemm_efficiency"] / 1e12)
+    bf16_peak = fields.get("peak_tflops_bf16", base.peak_tflops_bf16)
+    fields["gemm_half_size"] = _sig(g.half_size * bf16_peak / fields[f"peak_tflops_{precision}"])
     mem_gb = g.memory_bytes_per_s / 1e9
     if mem_gb <= 0:
         fields.update(hbm_gb_per_s=hbm, hbm_efficiency=1.0)
@@ -261,22 +268,22 @@ def fit_accelerator(benchmarks: dict[str, Any], base: AcceleratorSpec) -> tuple[
         fields["elementwise_gb_per_s"] = _sig(len(elementwise) / sum(1 / v for v in elementwise.values()))
         report["elementwise"] = {"gb_per_s": dict(elementwise), "fitted": fields["elementwise_gb_per_s"]}
     acc = dataclasses.replace(base, **fields)
-    report["gemm"] = _gemm_report(g, acc, gemm)
+    report["gemm"] = _gemm_report(g, acc, gemm, precision)
     return acc, report
 
 
-def _gemm_report(g: GemmFit, acc: AcceleratorSpec, gemm: dict[str, Any]) -> dict[str, Any]:
-    """Fit quality of the model with the fitted accelerator, per dtype, and the bf16 efficiency curve."""
+def _gemm_report(g: GemmFit, acc: AcceleratorSpec, gemm: dict[str, Any], precision: str) -> dict[str, Any]:
+    """Fit quality of the model with the fitted accelerator, per dtype, and ``precision``'s efficiency curve."""
     out: dict[str, Any] = {"compute_tflops": _sig(g.compute_flops_per_s / 1e12),
                            "memory_gb_per_s": _sig(g.memory_bytes_per_s / 1e9),
                            "latency_us": _sig(g.latency_s * 1e6), "best_tflops": _sig(g.best_rate / 1e12),
                            "half_size": _sig(g.half_size), "knee": g.knee}
-    peak = acc.peak_flops("bf16")
+    peak = acc.peak_flops(precision)  # type: ignore[arg-type]
     for dtype, rows in gemm.items():
         measured = [r["seconds"] for r in rows]
         predicted = [gemm_time(acc, dtype, r["m"], r["n"], r["k"]) for r in rows]
         entry: dict[str, Any] = quality(measured, predicted).as_dict()
-        if dtype == "bf16":  # the efficiency curve: achieved / peak, by GEMM size
+        if dtype == precision:  # the efficiency curve: achieved / peak, by GEMM size
             entry["curve"] = [{"m": r["m"], "n": r["n"], "k": r["k"], "measured_us": _sig(t * 1e6),
                                "predicted_us": _sig(p * 1e6), "tflops": _sig(2 * r["m"] * r["n"] * r["k"] / t / 1e12),
                                "efficiency": _sig(2 * r["m"] * r["n"] * r["k"] / t / peak, 4)}

@@ -97,9 +97,11 @@ def memory(info: RankInfo, s: dict[str, Any]) -> dict[str, Any]:
 
 
 def elementwise(s: dict[str, Any]) -> list[dict[str, Any]]:
-    """bf16 element-wise kernels a transformer layer runs (add, multiply, GeLU, softmax, LayerNorm)
-    on an activation-sized [4096, 256] tensor: bytes read + written and median seconds each."""
-    x, y = torch.randn(4096, 256, dtype=torch.bfloat16), torch.randn(4096, 256, dtype=torch.bfloat16)
+    """Element-wise kernels a transformer layer runs (add, multiply, GeLU, softmax, LayerNorm) in the
+    training dtype (``s["dtype"]``, default bf16) on an activation-sized [4096, 256] tensor: bytes
+    read + written and median seconds each."""
+    dtype = DTYPES[s.get("dtype", "bf16")]
+    x, y = torch.randn(4096, 256, dtype=dtype), torch.randn(4096, 256, dtype=dtype)
     n = x.numel() * x.element_size()
     ops = {"add": (lambda: x + y, 3 * n), "mul": (lambda: x * y, 3 * n),
            "gelu": (lambda: torch.nn.functional.gelu(x), 2 * n), "softmax": (lambda: torch.softmax(x, -1), 2 * n),

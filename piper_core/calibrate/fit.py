@@ -142,6 +142,7 @@ class GemmPoint:
     n: int
     k: int
     seconds: float
+    element_bytes: int = BYTES  # 4 for an fp32 GEMM
 
     @property
     def flops(self) -> float:
@@ -149,7 +150,7 @@ class GemmPoint:
 
     @property
     def nbytes(self) -> float:
-        return float(BYTES * (self.m * self.k + self.k * self.n + self.m * self.n))
+        return float(self.element_bytes * (self.m * self.k + self.k * self.n + self.m * self.n))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

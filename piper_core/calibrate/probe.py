@@ -78,10 +78,10 @@ def probe_model(layers: int, experts: int | None) -> ModelSpec:
 
 
 def probe_plan(world: int, micro_batches: int, mbs: int = PROBE_MBS, spread: bool = False,
-               attention: str = "unfused") -> ParallelPlan:
+               attention: str = "unfused", precision: str = "bf16") -> ParallelPlan:
     return ParallelPlan(gpus=world, ep=world if spread else 1, micro_batch_size=mbs,
                         global_batch_size=world * micro_batches * mbs, distributed_optimizer=False,
-                        attention_backend=attention)
+                        attention_backend=attention, precision=precision)
 
 
 def probes_for(framework: str) -> tuple[tuple[int, int | None, int, int, bool], ...]:
@@ -111,6 +111,7 @@ def probe_rank(info: Any, settings: dict[str, Any] | None = None) -> dict[str, A
 
     settings = settings or {}
     framework = settings.get("framework", "megatron")
+    precision = settings.get("precision", "bf16")  # the training precision the profile is for
     train = trainers.get(framework).probe_setup(info)
     # --quick: 3 timed training steps (of 5) and 3 forward passes per probe run instead of 5 and 5
     quick = bool(settings.get("quick", False))
@@ -122,13 +123,13 @@ def probe_rank(info: Any, settings: dict[str, Any] | None = None) -> dict[str, A
         for layers, experts, m, mbs, spread in probes_for(framework):
             if spread and (info.world_size == 1 or experts % info.world_size):
                 continue
-            plan = probe_plan(info.world_size, m, mbs, spread, ATTENTION[framework])
+            plan = probe_plan(info.world_size, m, mbs, spread, ATTENTION[framework], precision)
             job = TrainJob(model=probe_model(layers, experts), plan=plan, steps=steps, warmup=warmup,
                            forward_steps=forward, sync_grads=False)
             r = train(job, Path(tmp))
             out.append({"label": probe_label(layers, experts, m, mbs, spread), "layers": layers, "experts": experts,
                         "micro_batches": m, "micro_batch_size": mbs, "spread": spread,
-                        "attention_backend": plan.attention_backend,
+                        "attention_backend": plan.attention_backend, "precision": precision,
                         "step_s": statistics.median(r["step_s"][warmup:]), "forward_s": statistics.median(r["forward_s"])})
     return {"rank": info.rank, "runs": out}
 
@@ -170,7 +171,7 @@ def _base(cluster: ClusterSpec, run: dict[str, Any], world: int) -> tuple[float,
     layers, experts, m = run["layers"], run["experts"], run["micro_batches"]
     model = probe_model(layers, experts)
     plan = probe_plan(world, m, run.get("micro_batch_size", PROBE_MBS), run.get("spread", False),
-                      run.get("attention_backend", "unfused"))
+                      run.get("attention_backend", "unfused"), run.get("precision", "bf16"))
     cost = layer_cost(model, shape_of(plan), cluster, model.is_moe)
     forward = m * (layers * cost.fwd + _logits(model, plan, cluster) / 3)
     t = step_time(model, plan, cluster)

@@ -13,6 +13,7 @@ A profile is one YAML document::
       nodes: 1
       ranks_per_node: 2
       inter_node_mbit: null    # the emulated link rate, if any
+      precision: bf16          # the training precision it is for (GEMM curve, probe runs)
       base: cpu-local          # the preset whose unmeasured terms (memory envelope, host) were kept
       command: piper calibrate --out ...
       benchmarks: {...}        # raw medians per benchmark (seconds, bytes)
@@ -38,7 +39,7 @@ from piper_core.specs.yamlio import from_dict, to_dict
 
 TOP_KEYS = ("cluster", "calibration")
 REQUIRED = ("machine", "date", "ranks", "nodes", "command", "benchmarks", "fits")
-CALIBRATION_KEYS = REQUIRED + ("ranks_per_node", "inter_node_mbit", "base", "failures")
+CALIBRATION_KEYS = REQUIRED + ("ranks_per_node", "inter_node_mbit", "base", "failures", "precision")
 HEADER = "# Piper calibration profile, written by `piper calibrate`; use it with --profile (or as a cluster YAML).\n"
 
 

@@ -42,6 +42,7 @@ class CalibrateOptions:
     timeout_per_bench_s: float = 120.0
     command: str = "piper calibrate"
     framework: str = "megatron"  # whose host overheads the probe fits: "megatron" or "deepspeed"
+    precision: str = "bf16"  # the training precision the profile is for: bf16 or fp32 (GEMM curve, probe runs)
 
     @property
     def cache_dir(self) -> Path:
@@ -63,7 +64,7 @@ def default_steps(options: CalibrateOptions) -> tuple[list[Step], str | None]:
     """The steps for ``options`` and, when the host-overhead probe cannot run, why not."""
     why_not = overhead_probe_available(options.framework)
     steps = plan_steps(options.topology, quick=options.quick, timeout_s=options.timeout_per_bench_s,
-                       overhead_probe=why_not is None, framework=options.framework)
+                       overhead_probe=why_not is None, framework=options.framework, precision=options.precision)
     return steps, why_not
 
 
@@ -89,23 +90,25 @@ def assemble(options: CalibrateOptions, base: ClusterSpec, log: RunLog,
     topo = options.topology
     failures = {o.name: {"status": o.status, "error": o.error, "wall_s": round(o.seconds, 2)}
                 for o in log.outcomes if o.status != "ok"}
-    cluster, fits = fit_medians(medians, topo, base, _name(topo), probe_missing, failures)
+    cluster, fits = fit_medians(medians, topo, base, _name(topo), probe_missing, failures, options.precision)
     benchmarks = {o.name: {"wall_s": round(o.seconds, 2), "cached": o.cached, "result": medians[o.name]}
                   for o in log.outcomes if o.status == "ok"}
     calibration = {
         "machine": _machine(log), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ranks": topo.world_size, "nodes": topo.nodes, "ranks_per_node": topo.ranks_per_node,
         "inter_node_mbit": topo.inter_node_mbit, "base": options.base, "command": options.command,
+        "precision": options.precision,
         "benchmarks": benchmarks, "failures": failures, "fits": fits,
     }
     return cluster, calibration
 
 
 def fit_medians(medians: dict[str, Any], topo: Topology, base: ClusterSpec, name: str, probe_missing: str | None,
-                failures: dict[str, Any]) -> tuple[ClusterSpec, dict[str, Any]]:
+                failures: dict[str, Any], precision: str = "bf16") -> tuple[ClusterSpec, dict[str, Any]]:
     """Every fit from the benchmarks' medians (pure): the cluster named ``name`` and the fit report.
-    ``failures`` (per benchmark) gains the overhead fit's failure, if any."""
-    acc, fits = fit_accelerator(medians, base.accelerator)
+    ``failures`` (per benchmark) gains the overhead fit's failure, if any; ``precision``: the
+    training precision the profile is for."""
+    acc, fits = fit_accelerator(medians, base.accelerator, precision)
     cluster, links = fit_links(medians, topo, dataclasses.replace(base, accelerator=acc))
     fits["links"] = links
     fits["checks"] = check_collectives(medians, cluster)
@@ -143,7 +146,8 @@ def refit(source: Path, out: Path, command: str) -> Calibration:
     failures = {k: dict(v) for k, v in (cal.get("failures") or {}).items() if k != "overheads"}
     probe_missing = None if "overheads" in medians else (cal.get("failures") or {}).get("overheads", {}).get(
         "error") or "the profile has no host-overhead probe results"
-    cluster, fits = fit_medians(medians, topo, base, old.cluster.name, probe_missing, failures)
+    cluster, fits = fit_medians(medians, topo, base, old.cluster.name, probe_missing, failures,
+                                cal.get("precision", "bf16"))
     record = {**cal, "failures": failures, "fits": fits,
               "command": f"{command} (refit of: {cal['command']})"}
     write_profile(out, cluster, record)

@@ -84,10 +84,18 @@ def _sizes(lo_exp: int, hi_exp: int, step: int) -> list[int]:
     return [2 ** e for e in range(lo_exp, hi_exp + 1, step)]
 
 
-def gemm_shapes(quick: bool) -> dict[str, list[list[int]]]:
+def gemm_shapes(quick: bool, precision: str = "bf16") -> dict[str, list[list[int]]]:
     """[m, n, k] per dtype: square-ish GEMMs and skinny expert GEMMs (m from 16 to 4096 tokens over
     the up and down projections of hidden 256 / ffn 1024 and hidden 64 / ffn 256), bf16 for the curve;
-    a few compute-bound ones in fp32 (the router) and fp16 for their peaks."""
+    a few compute-bound ones in fp32 (the router) and fp16 for their peaks. ``precision`` fp32: the
+    curve in fp32, and the few compute-bound ones in bf16."""
+    shapes = _gemm_shapes(quick)
+    if precision == "fp32":
+        shapes["bf16"], shapes["fp32"] = shapes["fp32"], shapes["bf16"]
+    return shapes
+
+
+def _gemm_shapes(quick: bool) -> dict[str, list[list[int]]]:
     if quick:
         square = [64, 256, 1024]
         skinny = [[m, n, k] for m in (16, 128, 1024, 4096) for n, k in ((1024, 256), (256, 1024))]
@@ -105,18 +113,22 @@ FRAMEWORKS = ("megatron", "deepspeed")
 
 
 def plan_steps(topology: Topology, *, quick: bool, timeout_s: float, overhead_probe: bool,
-               framework: str = "megatron") -> list[Step]:
+               framework: str = "megatron", precision: str = "bf16") -> list[Step]:
     """The benchmarks of a run, cheapest first. Collectives use ``timeout_s / 3`` as each
     operation's deadline (well inside the step's, so the failure names the operation).
-    ``framework``: whose host overheads the probe fits (Megatron-Core or DeepSpeed-MoE)."""
+    ``framework``: whose host overheads the probe fits (Megatron-Core or DeepSpeed-MoE);
+    ``precision``: the training precision (the GEMM curve's, the element-wise kernels' and the
+    probe runs' dtype; bf16 steps keep the settings, so the cache keys, of earlier versions)."""
+    dtype = {} if precision == "bf16" else {"dtype": precision}
     op_timeout = max(1.0, timeout_s / 3)
     base = {"timeout_s": op_timeout, "budget_s": 0.05 if quick else 0.2, "max_reps": 15 if quick else 31}
     coll = base | {"sizes": _sizes(10, 22, 2) if quick else _sizes(10, 24, 1), "stop_s": 0.5 if quick else 2.0,
                    "budget_s": 0.1 if quick else 0.4}
     if quick:
         coll["max_reps"] = 9
-    steps = [Step(name="gemm", target=BENCH_TARGET, args=("gemm", base | {"shapes": gemm_shapes(quick)}), weight=3),
-             Step(name="memory", target=BENCH_TARGET, args=("memory", base | {"copy_mib": 32 if quick else 128}))]
+    steps = [Step(name="gemm", target=BENCH_TARGET, args=("gemm", base | {"shapes": gemm_shapes(quick, precision)}),
+                  weight=3),
+             Step(name="memory", target=BENCH_TARGET, args=("memory", base | {"copy_mib": 32 if quick else 128} | dtype))]
     if topology.world_size > 1:
         # with one rank per node the intra-node groups are single ranks and "inter" is the whole job
         scopes = ["all"] + (["intra", "inter"] if topology.nodes > 1 and topology.ranks_per_node > 1 else [])
@@ -132,7 +144,8 @@ def plan_steps(topology: Topology, *, quick: bool, timeout_s: float, overhead_pr
         p2p_scopes = (["intra"] if topology.ranks_per_node > 1 else []) + (["inter"] if topology.nodes > 1 else [])
         steps += [Step(name=f"p2p-{sc}", target=BENCH_TARGET, args=("p2p", check | {"scope": sc})) for sc in p2p_scopes]
     if overhead_probe:
-        settings = {"quick": quick} | ({"framework": framework} if framework != "megatron" else {})
+        settings = {"quick": quick} | ({"framework": framework} if framework != "megatron" else {}) | \
+            ({"precision": precision} if precision != "bf16" else {})
         steps.append(Step(name="overheads", target=PROBE_TARGET, args=(settings,), weight=4))
     return steps
 

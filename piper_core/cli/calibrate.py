@@ -53,6 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--framework", choices=FRAMEWORKS, default="megatron",
                    help="whose host overheads the probe fits: Megatron-Core (default) or DeepSpeed-MoE with "
                         "Piper's MoE layer")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                   help="the training precision the profile is for: the GEMM efficiency curve, the element-wise "
+                        "kernels and the probe's training runs in it (fp32 on a CPU without bf16 instructions)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--realtime", action="store_true",
                    help="run the ranks under SCHED_FIFO (root) so other processes on a shared machine do not "
@@ -112,7 +115,8 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
         check_realtime()  # likewise: not one failed benchmark per step
     command = "piper " + shlex.join(argv if argv is not None else sys.argv[1:])
     return CalibrateOptions(out=args.out, topology=topology_from_args(args), base=args.base, quick=args.quick,
-                            cache=args.cache, timeout_per_bench_s=timeout, command=command, framework=args.framework)
+                            cache=args.cache, timeout_per_bench_s=timeout, command=command, framework=args.framework,
+                            precision=args.precision)
 
 
 MEASURING = ("ranks", "emulate", "inter_node_mbit", "quick", "cache", "timeout_per_bench", "realtime")

@@ -12,7 +12,7 @@ from piper_core.resource.predict import Prediction, predict, to_json
 
 HELP_PARALLEL = ("comma-separated key=value: tp, pp, vpp, ep, etp, cp, sp (0/1), mbs, gbs, "
                  "recompute (none|selective|full), recompute_method (uniform|block), recompute_layers, "
-                 "dist_opt (0/1), grad_bf16 (0/1), offload (optimizer offload fraction 0..1), precision (bf16|fp16), "
+                 "dist_opt (0/1), grad_bf16 (0/1), offload (optimizer offload fraction 0..1), precision (bf16|fp16|fp32), "
                  "attention (flash|unfused), a2a "
                  "(flat|hierarchical|dedup: once per node, Megatron's flex dispatcher), chunks (N > 1 pipelines the exchange), shx (shared expert overlap), "
                  "epov (Megatron's EP overlap), dwg (deferred expert weight gradients), p2pov (0/1: Megatron's p2p "

@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__.split("\n\n")[1])
     p.add_argument("--quick", action="store_true", help="the quick suite: three Megatron plans and one DeepSpeed plan "
                    "on 2 local ranks (the default test run's check)")
-    p.add_argument("--suite", help="a built-in suite name (full, quick) or a suite YAML (default full; --quick: quick)")
+    p.add_argument("--suite", help="a built-in suite name (full, full-fp32, quick) or a suite YAML (default full; --quick: quick)")
     p.add_argument("--cases", help="comma-separated case names of the suite (default: all of them)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--no-peak", action="store_true", help="skip each case's memory job (peak tensor bytes per rank)")

@@ -17,12 +17,16 @@ Two rules decide the totals beyond the Korthikanti terms:
 
 Notation: ``T = s b / cp`` tokens of one rank's sequence slice, ``T_l = T / tp`` with sequence
 parallelism (``T`` without) the tokens a norm, residual or SP-split linear input holds.
-Activations are 2 bytes (bf16/fp16); fp32 where Megatron computes in fp32 (softmax of the router,
+Activations are 2 bytes (bf16/fp16; 4 in fp32 training); fp32 where Megatron computes in fp32 (softmax of the router,
 the cross-entropy's softmax, flash-attention's log-sum-exp, norm statistics).
+
+Piper's DeepSpeed builder on the host kernels is priced with its own RoPE, MLP, gate copies and MoE
+combine (:func:`_deepspeed_builder`; checked in tests/deepspeed/test_fp32_activations.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -50,7 +54,10 @@ class Kernels:
     what an RMSNorm keeps of its input per element; 0 is the input itself in the activation dtype (the
     CUDA kernel, Transformer Engine); torch's host ``rms_norm`` is a decomposition that keeps two fp32
     copies of it instead (8: its fp32 upcast and the normalized product, measured on torch 2.13 with
-    saved-tensor hooks, tests/runtime/test_activations_host.py).
+    saved-tensor hooks, tests/runtime/test_activations_host.py). ``host``: torch's host kernels, where
+    the one trainer Piper runs with flash attention is its DeepSpeed builder (torch's
+    ``scaled_dot_product_attention``; Megatron-Core's CPU trainers refuse flash,
+    piper_megatron/measure.py), priced with its own modules (:func:`_deepspeed_builder`).
     """
 
     rope_fusion: bool = True
@@ -59,6 +66,7 @@ class Kernels:
     norm_stats_bytes: int = _FP32
     router_aux_loss: bool = False
     rms_norm_input_bytes: int = 0
+    host: bool = False
 
     def __post_init__(self) -> None:
         for key in ("dropout_mask_bytes", "norm_stats_bytes"):
@@ -71,9 +79,31 @@ class Kernels:
 
 GPU_DEFAULTS = Kernels()
 HOST_KERNELS = Kernels(rope_fusion=False, bias_activation_fusion=False, dropout_mask_bytes=2, norm_stats_bytes=2,
-                       rms_norm_input_bytes=8)
+                       rms_norm_input_bytes=8, host=True)
 """Piper's CPU trainers (piper_megatron.train: no CUDA fusions, ``bias_activation_fusion=False``) on
 torch's host kernels."""
+
+
+def _in_dtype(k: Kernels, act: int) -> Kernels:
+    """``k`` for activations of ``act`` bytes: host kernels keep dropout masks and norm statistics in
+    the activation dtype (the 2s of :data:`HOST_KERNELS`), 4 bytes in fp32 training; CUDA's bool
+    masks and fp32 statistics do not change."""
+    if act == 2:
+        return k
+    return dataclasses.replace(k, dropout_mask_bytes=act if k.dropout_mask_bytes == 2 else k.dropout_mask_bytes,
+                               norm_stats_bytes=act if k.norm_stats_bytes == 2 else k.norm_stats_bytes)
+
+
+def _deepspeed_builder(plan: ParallelPlan, k: Kernels) -> bool:
+    """Price Piper's DeepSpeed builder (piper_deepspeed/builder.py with Piper's MoE layer,
+    piper_deepspeed/moe.py) rather than Megatron-Core's modules: flash attention on the host kernels
+    (see :class:`Kernels`). It keeps less than Megatron's modules (measured with saved-tensor hooks,
+    tests/deepspeed/test_fp32_activations.py): half the RoPE table, no SwiGLU ``glu_linear`` copy,
+    and unweighted experts whose outputs Piper's combine gathers and weights (``_decode``); and
+    DeepSpeed's gate (``TopKGate.forward``, deepspeed/moe/sharded_moe.py) runs on an fp32 copy of its
+    input (``input.float()``) and weight (``self.wg.weight.float()``): copies in bf16, the norm output
+    and the parameter themselves in fp32 (:func:`_moe_terms`)."""
+    return k.host and plan.attention_backend == "flash"
 
 
 def kernels_for(accelerator: Any) -> Kernels:
@@ -96,7 +126,8 @@ def _dims(model: ModelSpec, plan: ParallelPlan) -> _Dims:
     seq = math.ceil(model.seq_length / plan.cp)
     tokens = seq * plan.micro_batch_size
     local = math.ceil(tokens / plan.tp) if plan.sequence_parallel else tokens
-    return _Dims(seq=seq, batch=plan.micro_batch_size, tokens=tokens, local=local, act=2)
+    return _Dims(seq=seq, batch=plan.micro_batch_size, tokens=tokens, local=local,
+                 act=4 if plan.precision == "fp32" else 2)
 
 
 def _norm_terms(model: ModelSpec, d: _Dims, k: Kernels, name: str, out: dict[str, int]) -> None:
@@ -107,10 +138,11 @@ def _norm_terms(model: ModelSpec, d: _Dims, k: Kernels, name: str, out: dict[str
     out[f"{name}.stats"] = d.local * stats * k.norm_stats_bytes  # [T_l, 1] mean/rstd
 
 
-def _rope_terms(model: ModelSpec, d: _Dims, k: Kernels, rot_dim: int, out: dict[str, int]) -> None:
+def _rope_terms(model: ModelSpec, d: _Dims, k: Kernels, rot_dim: int, out: dict[str, int], *, ds: bool = False) -> None:
     if model.position_embedding == "rope" and not k.rope_fusion:
-        # rope_utils._apply_rotary_pos_emb_bshd: cos_/sin_ [s, 1, 1, rot] in t.dtype, saved by the muls, for q and k
-        out["rope.cos_sin"] = 4 * d.seq * rot_dim * d.act
+        # rope_utils._apply_rotary_pos_emb_bshd: cos_/sin_ [s, 1, 1, rot] in t.dtype, saved by the muls, for q and k;
+        # the DeepSpeed builder's _rope rotates interleaved pairs with cos/sin [s, rot/2], made per call
+        out["rope.cos_sin"] = 4 * d.seq * (rot_dim // 2 if ds else rot_dim) * d.act
 
 
 def _score_terms(model: ModelSpec, d: _Dims, k: Kernels, heads: int, out: dict[str, int]) -> None:
@@ -135,14 +167,16 @@ def _check_backend(plan: ParallelPlan) -> None:
                          rule="DotProductAttention asserts context_parallel_size == 1 (TE only)")
 
 
-def _gqa_attention(model: ModelSpec, plan: ParallelPlan, d: _Dims, k: Kernels, out: dict[str, int]) -> None:
+def _gqa_attention(model: ModelSpec, plan: ParallelPlan, d: _Dims, k: Kernels, out: dict[str, int], *,
+                   ds: bool = False) -> None:
     """SelfAttention with linear_qkv -> (q/k norm) -> RoPE -> core attention -> linear_proj."""
     tp, hd = plan.tp, model.head_dim
     heads, groups = model.num_attention_heads // tp, max(model.query_groups // tp, 1)
     out["linear_qkv.input"] = d.local * model.hidden_size * d.act  # ColumnParallelLinear saves the SP-local input
     new_qk = model.position_embedding == "rope" or model.qk_layernorm  # RoPE / q-k norm write new q, k
     gqa = heads != groups
-    repeat = plan.recompute != "selective" and plan.attention_backend == "unfused" and gqa
+    # the DeepSpeed builder's Attention repeat_interleaves k and v for torch's SDPA, as DotProductAttention does
+    repeat = plan.recompute != "selective" and (plan.attention_backend == "unfused" or ds) and gqa
     mixed = d.tokens * (heads + 2 * groups) * hd * d.act  # linear_qkv output [T, (a + 2g) d / tp]
     q_bytes = d.tokens * heads * hd * d.act
     if model.qk_layernorm:
@@ -162,7 +196,7 @@ def _gqa_attention(model: ModelSpec, plan: ParallelPlan, d: _Dims, k: Kernels, o
             out["attn.q"] = q_bytes
         if new_qk:
             out["attn.k"] = d.tokens * groups * hd * d.act
-    _rope_terms(model, d, k, hd, out)
+    _rope_terms(model, d, k, hd, out, ds=ds)
     _core_attention(model, plan, d, k, heads, hd, out)
 
 
@@ -204,18 +238,20 @@ def _mla_attention(model: ModelSpec, plan: ParallelPlan, d: _Dims, k: Kernels, o
 
 
 def _mlp_terms(model: ModelSpec, k: Kernels, rows: int, width: int, act: int, prefix: str,
-               out: dict[str, int], *, weighted: bool) -> None:
+               out: dict[str, int], *, weighted: bool, ds: bool = False) -> None:
     """fc1 -> activation -> fc2 of one MLP on ``rows`` tokens, ``width`` = FFN width on this rank.
 
     ``weighted``: routed experts multiply by the router probability inside the activation
-    (MLP.forward ``per_token_scale``).
+    (MLP.forward ``per_token_scale``). ``ds``: the DeepSpeed builder's MLP (unweighted: Piper's
+    combine weights the experts' outputs, :func:`_moe_terms`).
     """
     glu = model.gated_linear_unit
     out[f"{prefix}.fc1_output"] = rows * width * (2 if glu else 1) * act  # saved by SwiGLUFunction / GeLU
     if glu and not k.bias_activation_fusion:
         out[f"{prefix}.silu_output"] = rows * width * act  # mlp.glu: silu(x_glu) * (x_linear + offset)
-        out[f"{prefix}.glu_linear"] = rows * width * act  # x_linear + glu_linear_offset is a new tensor
-    if weighted and (not glu or not k.bias_activation_fusion):
+        if not ds:  # the builder's MLP: silu(gate) * up, up a view of fc1's output (h.chunk)
+            out[f"{prefix}.glu_linear"] = rows * width * act  # x_linear + glu_linear_offset is a new tensor
+    if weighted and not ds and (not glu or not k.bias_activation_fusion):
         out[f"{prefix}.activation_output"] = rows * width * act  # saved by `* per_token_scale`
     out[f"{prefix}.fc2_input"] = rows * width * act  # RowParallelLinear saves its input (Korthikanti 8sbh)
 
@@ -266,18 +302,39 @@ def _router_terms(model: ModelSpec, d: _Dims, k: Kernels, cap: int | None, out: 
         out["permute.indices"] = 2 * e * cap * _INT64  # drop_and_pad: indices_1D (probs) and sorted_indices
 
 
-def _moe_terms(model: ModelSpec, plan: ParallelPlan, d: _Dims, k: Kernels, out: dict[str, int]) -> None:
-    """MoELayer: router, permutation, the routed experts and the shared experts."""
+def _moe_terms(model: ModelSpec, plan: ParallelPlan, d: _Dims, k: Kernels, out: dict[str, int], *,
+               ds: bool = False) -> None:
+    """MoELayer: router, permutation, the routed experts and the shared experts. ``ds``: Piper's MoE
+    layer in DeepSpeed (piper_deepspeed/moe.py), whose combine weights the gathered expert outputs."""
     rows, cap = _routed_rows(model, plan, d)
+    # DeepSpeed's gate keeps fp32 [T_l, E] tensors (top2gating: its softmax, two one-hot masks) where
+    # Megatron's router keeps [T_l, k] ones: priced as Megatron's router (val-moe: 12 KB a layer short)
     _router_terms(model, d, k, cap, out)
     assert model.moe_ffn_hidden_size is not None
     out["experts.input"] = rows * model.hidden_size * d.act  # fc1 inputs are views of the dispatched buffer
-    out["experts.probs"] = rows * d.act  # permuted probs, saved by WeightedSwiGLUFunction / the scale mul
-    _mlp_terms(model, k, rows, model.moe_ffn_hidden_size // plan.etp_size, d.act, "experts", out, weighted=True)
+    if ds:
+        # PiperMOELayer.forward: tokens.index_select(0, token_of_row) keeps the index of the kept routes
+        # (at most k T_l); _decode: index_select(0, row_of_route) keeps [k T_l] int64, and
+        # `routed * gates` the gathered outputs [k, T_l, h] and the fp32 gates [k, T_l, 1]
+        n = d.local * model.moe_router_topk
+        if d.act != _FP32:  # TopKGate.forward: input.float() and wg.weight.float() are copies in bf16
+            out["gate.input_fp32"] = d.local * model.hidden_size * _FP32
+            out["gate.weight_fp32"] = model.hidden_size * model.num_experts * _FP32
+            if not model.moe_shared_expert_intermediate_size:
+                # the bf16 norm output itself: only the gate reads it (through its copy) and the
+                # dispatch's index_select keeps no input, so nothing saves it
+                del out["mlp.input"]
+        out["dispatch.indices"] = n * _INT64
+        out["combine.indices"] = n * _INT64
+        out["combine.outputs"] = n * model.hidden_size * d.act
+        out["combine.gates"] = n * _FP32
+    else:
+        out["experts.probs"] = rows * d.act  # permuted probs, saved by WeightedSwiGLUFunction / the scale mul
+    _mlp_terms(model, k, rows, model.moe_ffn_hidden_size // plan.etp_size, d.act, "experts", out, weighted=True, ds=ds)
     if model.moe_shared_expert_intermediate_size:
         # SharedExpertMLP: a dense MLP on the same norm output (already counted as the router input)
         _mlp_terms(model, k, d.tokens, model.moe_shared_expert_intermediate_size // plan.tp, d.act,
-                   "shared_experts", out, weighted=False)
+                   "shared_experts", out, weighted=False, ds=ds)
 
 
 def layer_activation_terms(model: ModelSpec, plan: ParallelPlan, *, moe: bool, recomputed: bool = True,
@@ -293,20 +350,26 @@ def layer_activation_terms(model: ModelSpec, plan: ParallelPlan, *, moe: bool, r
     if moe and not model.is_moe:
         raise SpecError("moe", moe, f"model {model.name!r} has no experts", "price a dense layer (moe=False)")
     d = _dims(model, plan)
+    ds = _deepspeed_builder(plan, kernels)
+    kernels = _in_dtype(kernels, d.act)
     out: dict[str, int] = {}
     if plan.recompute == "full" and recomputed:
         out["checkpoint.input"] = d.local * model.hidden_size * d.act  # CheckpointFunction.save_for_backward
         return out
     _norm_terms(model, d, kernels, "input_norm", out)  # includes the layer input (Korthikanti 2sbh)
-    (_mla_attention if model.mla is not None else _gqa_attention)(model, plan, d, kernels, out)
+    if model.mla is not None:
+        _mla_attention(model, plan, d, kernels, out)
+    else:
+        _gqa_attention(model, plan, d, kernels, out, ds=ds)
     if model.hidden_dropout > 0:
         out["attn_bda.dropout_mask"] = d.local * model.hidden_size * kernels.dropout_mask_bytes  # Korthikanti sbh
     _norm_terms(model, d, kernels, "pre_mlp_norm", out)
     out["mlp.input"] = d.local * model.hidden_size * d.act  # fc1 / router input: the norm output (Korthikanti 2sbh)
     if moe:
-        _moe_terms(model, plan, d, kernels, out)
+        _moe_terms(model, plan, d, kernels, out, ds=ds)
     else:
-        _mlp_terms(model, kernels, d.tokens, model.ffn_hidden_size // plan.tp, d.act, "mlp", out, weighted=False)
+        _mlp_terms(model, kernels, d.tokens, model.ffn_hidden_size // plan.tp, d.act, "mlp", out, weighted=False,
+                   ds=ds)
     if model.hidden_dropout > 0:
         out["mlp_bda.dropout_mask"] = d.local * model.hidden_size * kernels.dropout_mask_bytes  # Korthikanti sbh
     return out
@@ -326,6 +389,7 @@ def embedding_activation_bytes(model: ModelSpec, plan: ParallelPlan, *, kernels:
     position ids, and the embedding dropout its mask on the SP-local tokens.
     """
     d = _dims(model, plan)
+    kernels = _in_dtype(kernels, d.act)
     n = d.tokens * _INT64  # VocabParallelEmbedding: F.embedding saves the (masked) ids
     if plan.tp > 1:
         n += d.tokens * _BOOL  # output_parallel[input_mask, :] = 0 saves the mask
@@ -344,6 +408,7 @@ def output_activation_bytes(model: ModelSpec, plan: ParallelPlan, *, kernels: Ke
     The logits themselves, and their gradient, are transient (:func:`logits_transient_bytes`).
     """
     d = _dims(model, plan)
+    kernels = _in_dtype(kernels, d.act)
     out: dict[str, int] = {}
     _norm_terms(model, d, kernels, "final_norm", out)
     out["output_layer.input"] = d.local * model.hidden_size * d.act  # ColumnParallelLinear saves its input

@@ -17,6 +17,11 @@ Sources:
   the GPU share keeps its copy for good (``HybridDeviceOptimizer._set_sub_optimizer_grads``
   sets ``fp32_param.grad = grad.to(fp32)`` and nothing frees it) and the host keeps 16 bytes per
   offloaded parameter (fp32 master, m, v and a pinned fp32 gradient copy).
+* fp32 training (neither ``--bf16`` nor ``--fp16``): 4-byte params and gradients, and Adam's m and v
+  only (8/d): the optimizer steps the parameters themselves (``FP32Optimizer``; the distributed
+  optimizer's main params of an fp32 parameter are views of it, ``shard_fp32_groups`` in
+  ``DistributedOptimizer._build_model_and_main_param_groups``), so no master copy and no
+  gradient copy.
 * Sharding: dense state over dp*cp, expert state over expert-dp (``DistributedOptimizer`` with the
   expert-data-parallel group).
 * In-flight micro-batches: 1F1B keeps ``pp - rank`` micro-batches on rank ``rank``; the interleaved
@@ -93,8 +98,9 @@ def _state_bytes(params: ParamCount, plan: ParallelPlan) -> StateBytes:
     An offloaded share keeps fp32 master weights, Adam m and v (12 bytes) and a pinned fp32
     gradient copy (4 bytes) per parameter on the host (Megatron ``HybridDeviceOptimizer``).
     """
-    fp32_grads = plan.precision == "bf16" and not plan.grad_reduce_in_bf16
-    grad_bytes = 4 if fp32_grads else 2
+    grad_bytes = plan.grad_bytes
+    fp32_grads = grad_bytes == 4
+    fp32_weights = plan.precision == "fp32"  # the parameters are the optimizer's main params
     if plan.distributed_optimizer:
         shard = params.dense / (plan.dp * plan.cp) + params.expert / plan.edp
     else:
@@ -103,8 +109,8 @@ def _state_bytes(params: ParamCount, plan: ParallelPlan) -> StateBytes:
     # fp32 copy of the shard's gradients (module docstring): none when the buffer already is fp32
     # (``.float()`` returns it), transient without offload, kept for good by the GPU share with it
     grad_copy = 0 if fp32_grads else 4 * shard
-    optimizer = (12 * shard + (grad_copy if offload else 0)) * (1 - offload)
-    return StateBytes(weights=2 * params.total, gradients=grad_bytes * params.total, optimizer=math.ceil(optimizer),
+    optimizer = ((8 if fp32_weights else 12) * shard + (grad_copy if offload else 0)) * (1 - offload)
+    return StateBytes(weights=(4 if fp32_weights else 2) * params.total, gradients=grad_bytes * params.total, optimizer=math.ceil(optimizer),
                       step_gradients=0 if offload else math.ceil(grad_copy), host=math.ceil(16 * shard * offload))
 
 
@@ -169,10 +175,11 @@ def _buffers(model: ModelSpec, plan: ParallelPlan) -> tuple[int, int]:
     their gradient, beside the loss's fp32 copy (:func:`activations.logits_transient_bytes`).
     """
     tokens = model.seq_length // plan.cp * plan.micro_batch_size
-    gathered = tokens * model.hidden_size * 2 if plan.sequence_parallel else 0
+    act = 4 if plan.precision == "fp32" else 2  # bytes per activation element
+    gathered = tokens * model.hidden_size * act if plan.sequence_parallel else 0
     a2a = 0
     if model.is_moe:
-        a2a = activations.routed_rows(model, plan) * model.hidden_size * 2
+        a2a = activations.routed_rows(model, plan) * model.hidden_size * act
     inner = max(gathered, a2a)
     return inner, max(inner, activations.logits_transient_bytes(model, plan))
 

@@ -244,6 +244,7 @@ class _Scan:
                     kwargs, _ = _structural(model, gpus, gbs, combo, space.sequence_parallel)
                     kwargs["attention_backend"] = self.attention_backend
                     kwargs["defer_wgrad"] = space.defer_wgrad and combo[4] > 1
+                    kwargs["precision"] = space.precision
                     try:
                         base, error = ParallelPlan(**kwargs), None
                         check_plan(model, base)
@@ -417,7 +418,7 @@ class _Memory:
         for bf16_grads, offload in self.space.memory_savers:
             if offload > 0 and (not plan.distributed_optimizer or self.host_limit == 0):
                 continue
-            if bf16_grads and plan.precision != "bf16":
+            if (bf16_grads or offload > 0) and plan.precision != "bf16":
                 continue
             out.append((bf16_grads, offload))
         return out

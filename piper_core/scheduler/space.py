@@ -32,7 +32,8 @@ class SearchSpace:
     parallelism (Megatron-Core needs it for MoE with tp > 1, so False leaves MoE models at tp = 1).
     ``defer_wgrad``: every plan with ep > 1 defers its experts' weight gradients (a runtime that asks
     for it, e.g. a DeepSpeed ``piper`` block with ``"defer_wgrad": true``; never varied by the search,
-    as it only hides time where a runtime runs it).
+    as it only hides time where a runtime runs it). ``precision``: every plan's (``fp32`` for a job that
+    trains in fp32: bf16 gradient reduction and optimizer offload then do not apply).
     """
 
     tp: tuple[int, ...]
@@ -48,6 +49,7 @@ class SearchSpace:
     memory_savers: tuple[tuple[bool, float], ...] = ((False, 0.0), (True, 0.0), (True, 1.0))
     sequence_parallel: bool = True
     defer_wgrad: bool = False
+    precision: str = "bf16"
 
     @property
     def size(self) -> int:

@@ -78,7 +78,7 @@ class ParallelPlan:
     distributed_optimizer: bool = True
     grad_reduce_in_bf16: bool = False
     optimizer_offload_fraction: float = 0.0
-    precision: Literal["bf16", "fp16"] = "bf16"
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     attention_backend: Literal["flash", "unfused"] = "flash"
     a2a: A2AAlgorithm = "flat"
     a2a_chunks: int = 1
@@ -94,6 +94,13 @@ class ParallelPlan:
 
     def __hash__(self) -> int:  # specs key many caches; hash the fields once
         return self._hash
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element in the data-parallel buffer: fp32 in fp32 training and in bf16
+        (Megatron accumulates and reduces bf16 gradients in fp32 unless --grad-reduce-in-bf16), the
+        parameters' 2 bytes otherwise (bf16 reduction; fp16, whose gradients stay fp16)."""
+        return 4 if self.precision == "fp32" or (self.precision == "bf16" and not self.grad_reduce_in_bf16) else 2
 
     def __post_init__(self) -> None:
         freeze_hash(self)
@@ -146,6 +153,10 @@ class ParallelPlan:
         if self.optimizer_offload_fraction > 0 and not self.distributed_optimizer:
             raise SpecError("optimizer_offload_fraction", self.optimizer_offload_fraction, "Megatron's CPU "
                             "optimizer offload runs inside the distributed optimizer", "set distributed_optimizer")
+        if self.optimizer_offload_fraction > 0 and self.precision != "bf16":
+            raise SpecError("optimizer_offload_fraction", self.optimizer_offload_fraction, f"prices fp32 master copies "
+                            f"of bf16 weights moved to the host, and this plan trains in {self.precision}",
+                            "set precision=bf16 or optimizer_offload_fraction=0")
         if self.grad_reduce_in_bf16 and self.precision != "bf16":
             raise SpecError("grad_reduce_in_bf16", True, f"needs precision bf16 (got {self.precision})",
                             "set precision=bf16 or grad_reduce_in_bf16=false")

@@ -26,7 +26,13 @@ from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import grouped_gemm
 from piper_core.timing.gemm import gemm_efficiency
 
-BYTES = 2  # bf16 / fp16 activations and weights
+BYTES = 2  # bf16 / fp16 activations and weights (see element_bytes)
+
+
+def element_bytes(precision: str) -> int:
+    """Bytes of one activation or weight element in ``precision``: 4 in fp32 training (Megatron
+    with neither --bf16 nor --fp16), else 2 (bf16 / fp16)."""
+    return 4 if precision == "fp32" else BYTES
 
 
 def gemm_time(acc: AcceleratorSpec, precision: str, m: float, n: float, k: float, *, batch: float = 1) -> float:
@@ -40,7 +46,7 @@ def gemm_time(acc: AcceleratorSpec, precision: str, m: float, n: float, k: float
 def _roofline(acc: AcceleratorSpec, precision: str, m: float, n: float, k: float, batch: float,
               efficiency: float) -> float:
     flops = 2.0 * m * n * k * batch
-    moved = BYTES * (m * k + k * n + m * n) * batch
+    moved = element_bytes(precision) * (m * k + k * n + m * n) * batch
     compute = flops / (acc.peak_flops(precision) * efficiency)
     memory = moved / (acc.hbm_gb_per_s * 1e9 * acc.hbm_efficiency)
     return max(compute, memory) + acc.kernel_latency_us * 1e-6
@@ -119,9 +125,9 @@ def attention_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec)
     core = (core_attention_gemm_time(acc, prec, t, keys, qk_dim, batch=a)
             + core_attention_gemm_time(acc, prec, t, v_dim, keys, batch=a))
     if shape.attention_backend == "unfused":  # scores written, softmaxed, read back by AV
-        core += stream_time(acc, 3 * BYTES * a * t * model.seq_length)
+        core += stream_time(acc, 3 * element_bytes(prec) * a * t * model.seq_length)
     # input norm (read + write), rope on q and k, residual add (read 2, write 1)
-    elementwise = stream_time(acc, BYTES * t * (2 * h / (tp if shape.sp else 1) + 3 * h))
+    elementwise = stream_time(acc, element_bytes(prec) * t * (2 * h / (tp if shape.sp else 1) + 3 * h))
     return proj + elementwise, core
 
 
@@ -134,7 +140,7 @@ def mlp_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec, token
     if ffn == 0 or tokens <= 0:
         return 0.0
     width = ffn * (2 if model.gated_linear_unit else 1) / split
-    act = stream_time(acc, BYTES * tokens * (width + ffn / split))  # activation function
+    act = stream_time(acc, element_bytes(shape.precision) * tokens * (width + ffn / split))  # activation function
     if grouped:
         return (grouped_gemm_time(acc, shape.precision, tokens, width, model.hidden_size, count)
                 + grouped_gemm_time(acc, shape.precision, tokens, model.hidden_size, ffn / split, count) + count * act)
@@ -182,11 +188,11 @@ def moe_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec, *, ch
     per_expert, received = expert_tokens(model, shape)
     local = model.num_experts // shape.ep
     router = gemm_time(acc, "fp32", t_local, model.num_experts, model.hidden_size)
-    permute = stream_time(acc, 2 * 2 * BYTES * received * model.hidden_size)  # permute + unpermute, r + w
+    permute = stream_time(acc, 2 * 2 * element_bytes(shape.precision) * received * model.hidden_size)  # permute + unpermute, r + w
     shared = shared_expert_forward(model, shape, acc)
     experts = mlp_forward(model, shape, acc, per_expert / chunks, model.moe_ffn_hidden_size, shape.etp, count=local,
                           grouped=grouped_gemm(shape.grouped_gemm, acc))
-    norm = stream_time(acc, BYTES * t_local * 5 * model.hidden_size)  # pre-MLP norm + residual
+    norm = stream_time(acc, element_bytes(shape.precision) * t_local * 5 * model.hidden_size)  # pre-MLP norm + residual
     return router + permute + shared + norm, experts
 
 
@@ -197,7 +203,7 @@ def shared_expert_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorS
 
 def dense_mlp_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec) -> float:
     t = shape.tokens_for(model)
-    norm = stream_time(acc, BYTES * t * 5 * model.hidden_size)
+    norm = stream_time(acc, element_bytes(shape.precision) * t * 5 * model.hidden_size)
     return norm + mlp_forward(model, shape, acc, t, model.ffn_hidden_size, shape.tp)
 
 

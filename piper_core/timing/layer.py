@@ -20,7 +20,7 @@ from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.timing import comm
-from piper_core.timing.compute import (BYTES, LayerShape, attention_forward, dense_mlp_forward, expert_tokens,
+from piper_core.timing.compute import (LayerShape, element_bytes, attention_forward, dense_mlp_forward, expert_tokens,
                                        host_overhead_forward, moe_forward, shared_expert_forward)
 from piper_core.timing.routing import dedup_ratio
 from piper_core.timing.topology import Group, members_per_domain
@@ -67,7 +67,7 @@ def _tp_comm(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, blocks: 
     if shape.tp == 1:
         return 0.0, 0.0
     group = Group(name="tp", size=shape.tp, stride=1)
-    nbytes = shape.tokens_for(model) * model.hidden_size * BYTES
+    nbytes = shape.tokens_for(model) * model.hidden_size * element_bytes(shape.precision)
     one = comm.ring(group, nbytes, cluster)
     if shape.sp:
         return blocks * 2 * one, blocks * 3 * one
@@ -80,7 +80,8 @@ def _cp_comm(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, core: fl
         return 0.0, 0.0
     kv_width = (model.mla.kv_lora_rank + model.mla.qk_pos_emb_head_dim if model.mla
                 else 2 * model.query_groups * model.head_dim / shape.tp)
-    step = comm.p2p(Group(name="cp", size=shape.cp, stride=shape.tp), shape.tokens_for(model) * kv_width * BYTES, cluster)
+    step = comm.p2p(Group(name="cp", size=shape.cp, stride=shape.tp), shape.tokens_for(model) * kv_width * element_bytes(shape.precision),
+                     cluster)
     fwd = max(0.0, (shape.cp - 1) * step - core)
     return fwd, max(0.0, 2 * (shape.cp - 1) * step - 2 * core)
 
@@ -97,7 +98,7 @@ def _dispatch_stages(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, 
     _, received = expert_tokens(model, shape)
     sent = received / shape.etp
     group = Group(name="ep", size=shape.ep, stride=shape.etp)
-    nbytes = sent * model.hidden_size * BYTES / chunks
+    nbytes = sent * model.hidden_size * element_bytes(shape.precision) / chunks
     if shape.a2a in ("hierarchical", "dedup"):
         domains = group.size // members_per_domain(group, cluster.links[0].domain_gpus)  # as hierarchical_stages
         share = dedup_ratio(model, domains) if shape.a2a == "dedup" else 1.0
@@ -105,7 +106,7 @@ def _dispatch_stages(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, 
     else:
         stages = (("ep-links", comm.all_to_all_flat(group, nbytes, cluster)),)
     if shape.etp > 1:
-        gathered = received * model.hidden_size * BYTES / chunks
+        gathered = received * model.hidden_size * element_bytes(shape.precision) / chunks
         stages += (("etp-links", comm.ring(Group(name="etp", size=shape.etp, stride=1), gathered, cluster)),)
     return stages
 

@@ -26,7 +26,7 @@ from piper_core.specs.compat import stage_kinds
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.timing import comm
-from piper_core.timing.compute import BYTES, gemm_time, stream_time
+from piper_core.timing.compute import element_bytes, gemm_time, stream_time
 from piper_core.timing.compute import LayerShape
 from piper_core.timing.layer import LayerCost, layer_cost, shape_of
 from piper_core.timing.schedule import closed_form, one_f_one_b_order, pass_parts, pipeline_time
@@ -34,6 +34,7 @@ from piper_core.timing.topology import Group, dense_groups, expert_groups, slowe
 
 BUCKET_PARAMS = 40_000_000
 OPTIMIZER_BYTES = 30  # Adam on fp32 master: read param, grad, m, v (16); write param, m, v (12); bf16 copy (2)
+FP32_OPTIMIZER_BYTES = 28  # fp32 training: Adam on the parameters themselves, no copy (Megatron FP32Optimizer)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -112,7 +113,7 @@ _KINDS: dict[tuple, tuple[Kinds, ...]] = {}
 def _p2p_message(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> float:
     """One model chunk's boundary activation ``[s/cp, b, h]`` (split over tp with SP) sent to the
     neighbouring pipeline rank (seconds; 0 without pipeline parallelism)."""
-    act = model.seq_length // plan.cp * plan.micro_batch_size * model.hidden_size * BYTES
+    act = model.seq_length // plan.cp * plan.micro_batch_size * model.hidden_size * element_bytes(plan.precision)
     act //= plan.tp if plan.sequence_parallel else 1
     return comm.p2p(dense_groups(plan)["pp"], act, cluster) if plan.pp > 1 else 0.0
 
@@ -188,13 +189,13 @@ def _dp_collectives(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) 
     stream and share one window (see :func:`_data_parallel`).
     """
     dense_g, expert_g = dense_groups(plan)["dp"], expert_groups(plan)["edp"]
-    grad_bytes = 4 if plan.precision == "bf16" and not plan.grad_reduce_in_bf16 else 2
+    grad_bytes, weight_bytes = plan.grad_bytes, element_bytes(plan.precision)
     out = []
     for params in stage_params(model, plan):
         pairs = ((dense_g, params.dense), (expert_g, params.expert))
         if plan.distributed_optimizer:
             grads = sum(comm.ring(g, n * grad_bytes, cluster) for g, n in pairs)
-            gather = sum(comm.ring(g, n * BYTES, cluster) for g, n in pairs)
+            gather = sum(comm.ring(g, n * weight_bytes, cluster) for g, n in pairs)
         else:
             grads = sum(comm.ring(g, n * grad_bytes, cluster, passes=2) for g, n in pairs)
             gather = 0.0
@@ -229,9 +230,10 @@ def _optimizer(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> fl
     worst, acc, f = 0.0, cluster.accelerator, plan.optimizer_offload_fraction
     for p in stage_params(model, plan):
         n = p.dense / (plan.dp * plan.cp) + p.expert / plan.edp if plan.distributed_optimizer else p.total
-        t = stream_time(acc, (1 - f) * n * OPTIMIZER_BYTES, elementwise=False)
-        if f > 0:
-            t += f * n * (4 + BYTES) / (cluster.host_link_gb_per_s * 1e9)
+        per = FP32_OPTIMIZER_BYTES if plan.precision == "fp32" else OPTIMIZER_BYTES
+        t = stream_time(acc, (1 - f) * n * per, elementwise=False)
+        if f > 0:  # bf16 only (ParallelPlan refuses offload in fp32)
+            t += f * n * (4 + element_bytes(plan.precision)) / (cluster.host_link_gb_per_s * 1e9)
             t += f * n * 28 * cluster.gpus_per_node / (cluster.host_memory_gb_per_s * 1e9)
         worst = max(worst, t)
     return worst + acc.step_overhead_us * 1e-6

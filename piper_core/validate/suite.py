@@ -26,7 +26,7 @@ from piper_core.specs.yamlio import from_dict, to_dict
 
 SUITES = Path(__file__).with_name("suites")
 FRAMEWORKS = ("megatron", "deepspeed")
-TOP_KEYS = ("suite", "models", "models_from", "plan_defaults", "cases", "subsets")
+TOP_KEYS = ("suite", "models", "models_from", "plan_defaults", "cases", "cases_from", "plan_overrides", "subsets")
 CASE_KEYS = ("name", "group", "model", "model_overrides", "gpus", "plan", "nodes", "inter_node_mbit", "framework",
              "stock")
 WHERE_KEYS = ("framework", "ranks_per_node", "nodes", "topology", "family", "stock")
@@ -56,8 +56,9 @@ class Case:
     @property
     def topology(self) -> str:
         """Which calibration profile predicts it: ``local-<ranks>`` or ``emu-<nodes>x<k>-<mbit>mbit``,
-        with ``-deepspeed`` for a DeepSpeed case (its host overheads probed through DeepSpeed)."""
-        suffix = "-deepspeed" if self.framework == "deepspeed" else ""
+        with ``-deepspeed`` for a DeepSpeed case (its host overheads probed through DeepSpeed) and
+        ``-fp32`` for a case that trains in fp32 (a profile calibrated in fp32)."""
+        suffix = ("-deepspeed" if self.framework == "deepspeed" else "") + ("-fp32" if self.plan.precision == "fp32" else "")
         if self.nodes == 1:
             return f"local-{self.plan.gpus}{suffix}"
         return f"emu-{self.nodes}x{self.ranks_per_node}-{self.inter_node_mbit:g}mbit{suffix}"
@@ -185,6 +186,15 @@ def _subset(raw: Any, index: int, where: str) -> Subset:
     return Subset(name=str(raw["name"]), where=tuple((k, tuple(v)) for k, v in cond.items()), why=" ".join(str(raw["why"]).split()))
 
 
+def _overridden(case: Case, overrides: dict[str, Any], where: str) -> Case:
+    """``case`` with ``overrides`` (ParallelPlan fields) over its plan."""
+    fields = tuple(f.name for f in dataclasses.fields(ParallelPlan) if not f.name.startswith("_"))
+    _keys(overrides, fields, where, "plan_overrides", "a ParallelPlan field")
+    plan = from_dict(ParallelPlan, to_dict(case.plan) | dict(overrides), where=f"{where}: case {case.name!r}",
+                     prefix="plan_overrides.")
+    return dataclasses.replace(case, plan=plan)
+
+
 def load_suite(ref: str | Path = "full") -> Suite:
     path = suite_path(ref)
     text = path.read_text()
@@ -200,6 +210,14 @@ def load_suite(ref: str | Path = "full") -> Suite:
     for key, spec in (data.get("models") or {}).items():
         models[key] = from_dict(ModelSpec, spec, where=f"{where}: models.{key}")
     cases = tuple(_case(raw, i, models, data.get("plan_defaults") or {}, where) for i, raw in enumerate(data.get("cases") or []))
+    subsets = tuple(_subset(raw, i, where) for i, raw in enumerate(data.get("subsets") or []))
+    if "cases_from" in data:  # another suite's cases (and, unless given here, its subsets), plans overridden
+        base = load_suite(data["cases_from"])
+        cases += tuple(_overridden(c, data.get("plan_overrides") or {}, where) for c in base.cases)
+        subsets = subsets or base.subsets
+    elif "plan_overrides" in data:
+        raise SpecError("plan_overrides", data["plan_overrides"], "applies to the cases of cases_from",
+                        "add cases_from: SUITE, or write the fields in plan_defaults", where=where)
     if not cases:
         raise SpecError("cases", None, "a suite runs at least one case", "add cases:", where=where)
     seen: set[str] = set()
@@ -207,6 +225,5 @@ def load_suite(ref: str | Path = "full") -> Suite:
         if c.name in seen:
             raise SpecError("cases.name", c.name, "names a second case", "give every case its own name", where=where)
         seen.add(c.name)
-    subsets = tuple(_subset(raw, i, where) for i, raw in enumerate(data.get("subsets") or []))
     return Suite(name=str(data.get("suite") or path.stem), path=path, sha256=hashlib.sha256(text.encode()).hexdigest(),
                  models=models, cases=cases, subsets=subsets)

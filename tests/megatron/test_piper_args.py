@@ -38,6 +38,7 @@ from piper_core.cli.plan import describe
 from piper_core.errors import Infeasible, SpecError
 from piper_core.export import model_flags
 from piper_core.presets import load_cluster, load_model, model_names
+from piper_core.resource.predict import predict
 from piper_megatron.args import (
     apply_settings,
     eval_layer_pattern,
@@ -287,22 +288,29 @@ def test_planning_needs_what_it_cannot_guess(tmp_path):
     no_gbs = [a for a in BASE if a not in ("--global-batch-size", "64")]
     with pytest.raises(SpecError, match="--global-batch-size=None: is required with --piper"):
         planned(no_gbs + PIPER)
-    with pytest.raises(SpecError, match="precision='fp16': Piper's search plans bf16.*drop --fp16 to train in fp32"):
+    with pytest.raises(SpecError, match="precision='fp16': Piper's search plans bf16 mixed precision and fp32 "
+                                        "training.*drop --fp16 to train in fp32"):
         planned([a if a != "--bf16" else "--fp16" for a in BASE] + PIPER)
     with pytest.raises(SpecError, match="--piper-cluster=None: is required"):
         planned(BASE + ["--piper"])
 
 
-def test_fp32_is_planned_as_bf16_with_a_note_and_without_bf16_only_savers():
-    """fp32 (no --bf16): planned, with a note; bf16 gradient reduction and optimizer offload (which
-    validate_args reads only under --bf16 / runs as the precision-aware optimizer) are never chosen,
-    even where the bf16 job of the same model needs them to fit."""
+def test_fp32_is_planned_for_fp32_with_a_note_and_without_bf16_only_savers():
+    """fp32 (neither --bf16 nor --fp16, Megatron's default): every plan searched trains in fp32 and is
+    priced so (4-byte weights and gradients, Adam on the weights themselves: no master copy), with a
+    note; bf16 gradient reduction and optimizer offload (which validate_args reads only under --bf16 /
+    runs as the precision-aware optimizer) are never chosen, even where the bf16 job of the same model
+    needs them to fit."""
     fp32 = [a for a in BASE if a != "--bf16"]
-    job = planned(fp32 + PIPER)
-    assert any("trains in fp32" in note and "bf16 mixed precision" in note for note in job.notes)
-    assert "piper: note: this job trains in fp32" in report(job, [], None)
-    assert job.top.plan == planned(BASE + PIPER).top.plan  # planned as the bf16 job
-    assert not any("fp32" in note for note in planned(BASE + PIPER).notes)
+    job, bf16 = planned(fp32 + PIPER), planned(BASE + PIPER)
+    assert {p.plan.precision for p in job.best} == {"fp32"} and {p.plan.precision for p in bf16.best} == {"bf16"}
+    assert any("trains in fp32" in note and "planned for fp32" in note for note in job.notes)
+    assert "piper: note: this job trains in fp32 (no --bf16): planned for fp32" in report(job, [], None)
+    assert not any("fp32" in note for note in bf16.notes)
+    top = job.top.stages[0]  # fp32 weights, fp32 gradients, Adam's m and v over the same shard
+    as_bf16 = predict(job.model, job.cluster, dataclasses.replace(job.top.plan, precision="bf16")).stages[0]
+    assert (top.weights, top.gradients) == (2 * as_bf16.weights, as_bf16.gradients)
+    assert top.optimizer == pytest.approx(as_bf16.optimizer * 8 / 12, abs=1)
     assert planned(SWITCH + PIPER, world=64).top.plan.grad_reduce_in_bf16  # the bf16 job fits only with savers
     with pytest.raises(Infeasible, match="fits 64 GPUs"):
         planned([a for a in SWITCH if a != "--bf16"] + PIPER, world=64)

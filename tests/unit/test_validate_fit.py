@@ -11,6 +11,7 @@ from piper_core.errors import SpecError
 from piper_core.presets import load_cluster
 from piper_core.validate.cases import CASES, QUICK, select
 from piper_core.validate.compare import Row, verdict
+from piper_core.validate.suite import load_suite
 
 pytest.importorskip("numpy")
 
@@ -68,7 +69,7 @@ def test_verdict_mape_worst_memory_and_pick():
 def test_the_case_list_meets_the_issue():
     """At least 8 plans on a core each, varying ep, dp, pp, micro batch, experts and top-k, some on the
     emulated 2-node cluster, and 4-rank runs (2 cores); the quick suite's cases are cases of the full
-    suite, and every run of either is counted (no case carries an exclusion)."""
+    suite in fp32, and every run of either is counted (no case carries an exclusion)."""
     one_per_core = [c for c in CASES if c.ranks_per_node <= 2]
     assert len(one_per_core) >= 8 and {c.plan.gpus for c in CASES} == {2, 4}
     for key in ("ep", "dp", "pp", "micro_batch_size"):
@@ -76,7 +77,7 @@ def test_the_case_list_meets_the_issue():
     assert len({c.model.num_experts for c in CASES}) > 1 and len({c.model.moe_router_topk for c in CASES}) > 1
     assert any(c.nodes == 2 for c in CASES)
     assert [c.name for c in select(None, quick=True)] == list(QUICK)
-    full = {c.name: c for c in CASES}
+    full = {c.name: c for c in load_suite("full-fp32").cases}  # the quick suite trains in fp32
     assert all(full[c.name] == c for c in select(None, quick=True))
     assert not any(hasattr(c, "excluded") for c in CASES)
     # four model families; the plan features the CPU trainers run

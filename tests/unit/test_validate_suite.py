@@ -69,7 +69,7 @@ def test_bad_suites_are_refused_naming_the_key_value_and_fix(tmp_path, change, m
 
 
 def test_unknown_suite_names_say_which_exist():
-    with pytest.raises(SpecError, match=r"--suite='nope': is not a built-in suite; choose from full, quick"):
+    with pytest.raises(SpecError, match=r"--suite='nope': is not a built-in suite; choose from full, full-fp32, quick"):
         load_suite("nope")
 
 
