@@ -4,10 +4,12 @@
 
 The twin is the recipe's model family scaled to a laptop (``recipes/switch-1t/README.md``): top-1
 routing, an MoE layer in every FFN, capacity factor 1.25 with padding, non-gated experts, RMSNorm,
-RoPE, untied embeddings -- 4 layers of width 128 with 8 experts, bf16 as the recipe, written as
-Megatron-LM ``pretrain_gpt.py`` flags plus ``--piper --piper-profile PROFILE`` (this machine's
-calibration for the rank count, made on first use with ``piper calibrate --quick`` and kept in
-``--profiles``; it measures bf16 GEMMs, slow on CPUs without bf16 units).
+RoPE, untied embeddings -- 4 layers of width 128 with 8 experts, bf16 as the recipe where the CPU
+has bf16 instructions (AVX512-BF16 or AMX), else fp32 (``--precision auto``, the default, says
+which; on such a CPU a bf16 step is torch's emulation, 50-100x slower, nothing like a GPU's bf16),
+written as Megatron-LM ``pretrain_gpt.py`` flags plus ``--piper --piper-profile PROFILE`` (this
+machine's calibration for the rank count and precision, made on first use with ``piper calibrate
+--quick [--precision fp32]`` and kept in ``--profiles``).
 
 * With a Megatron-LM checkout (``--megatron-lm DIR``, else ``$PIPER_MEGATRON_LM``, else
   ``../shared/third_party/megatron-lm-core_v0.16.1`` beside the repository), its own
@@ -48,12 +50,36 @@ TWIN_ARGS: tuple[str, ...] = (
     "--disable-bias-linear", "--seq-length", "128", "--max-position-embeddings", "128",
     "--tokenizer-type", "NullTokenizer", "--vocab-size", "1024", "--make-vocab-size-divisible-by", "128",
     "--attention-dropout", "0", "--hidden-dropout", "0", "--attention-backend", "unfused",
-    "--global-batch-size", "8", "--bf16",
+    "--global-batch-size", "8",
 )
 STEPS, WARMUP = 8, 3
 ENV_CHECKOUT = "PIPER_MEGATRON_LM"
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300.0
+
+
+def native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX-BF16)."""
+    try:
+        flags = cpuinfo.read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def twin_precision(asked: str) -> tuple[str, str | None]:
+    """The precision the twin trains in (``bf16`` or ``fp32``) and, for ``auto``, why."""
+    if asked != "auto":
+        return asked, None
+    if native_bf16():
+        return "bf16", None
+    return "fp32", ("this CPU has no bf16 instructions (avx512_bf16/amx_bf16): the twin trains in fp32 (no --bf16), "
+                    "predicted from an fp32 calibration; --precision bf16 trains the recipe's bf16 in torch's emulation")
+
+
+def twin_args(precision: str) -> list[str]:
+    """The twin's Megatron-LM flags in ``precision`` (fp32: Megatron's default, no flag)."""
+    return [*TWIN_ARGS, *(["--bf16"] if precision == "bf16" else [])]
 
 
 def cpu_trainer_space(space: SearchSpace) -> SearchSpace:
@@ -67,7 +93,7 @@ def script_flags(steps: int) -> list[str]:
     mock data, ``steps`` iterations logged one by one, no evaluation, a short collective timeout."""
     from piper_megatron.cpu_launch import missing_cpu_flags
 
-    cpu = [word for flag in missing_cpu_flags(TWIN_ARGS) for word in flag.split()]
+    cpu = [word for flag in missing_cpu_flags(twin_args("bf16")) for word in flag.split()]
     return [*cpu, "--mock-data", "--train-iters", str(steps), "--lr", "1e-3", "--log-interval", "1",
             "--eval-iters", "0", "--eval-interval", str(steps + 1), "--distributed-timeout-minutes", "3"]
 
@@ -137,6 +163,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--megatron-lm", type=Path, default=None, metavar="DIR",
                    help=f"Megatron-LM checkout with pretrain_gpt.py (default ${ENV_CHECKOUT}, else the project's "
                         "core_v0.16.1 copy); without one Piper's own trainer runs the twin")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="bf16 (the recipe's) or fp32; auto (default): bf16 where the CPU has bf16 instructions")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("--realtime", action="store_true", help="ranks under SCHED_FIFO (root): steadier timings on a "
                    "busy machine")
@@ -155,10 +183,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from piper_core.emulate.launch import check_realtime
         check_realtime()
     profiles = a.profiles or DEFAULT_PROFILES
-    topology = f"local-{a.ranks}"
+    precision, why = twin_precision(a.precision)
+    if why and not a.json:
+        print(f"piper: {why}", flush=True)
+    topology = f"local-{a.ranks}" + ("-fp32" if precision == "fp32" else "")
     profiles_for([topology], profiles, recalibrate=False, quick=True, realtime=a.realtime)
     profile = profiles / f"{topology}.yaml"
-    flags = [*TWIN_ARGS, "--piper", "--piper-profile", str(profile)]
+    flags = [*twin_args(precision), "--piper", "--piper-profile", str(profile)]
     checkout = _checkout(a.megatron_lm)
     script = find_script(checkout)
     ns = parse_megatron_args(flags)
@@ -181,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(report(planned, changes, dispatcher_description(planned)), flush=True)
         result = run_own_trainer(planned, a)
     predicted, measured = planned.top.time.step, result["measured_step_s"]
-    result |= {"model": planned.model.name, "profile": str(profile), "ranks": a.ranks, "plan": to_dict(planned.top.plan),
+    result |= {"model": planned.model.name, "profile": str(profile), "ranks": a.ranks, "precision": precision,
+               "plan": to_dict(planned.top.plan),
                "predicted_step_s": round(predicted, 5), "measured_step_s": round(measured, 5),
                "error": round((predicted - measured) / measured, 4), "losses": [round(x, 4) for x in result["losses"]],
                "wall_s": round(time.perf_counter() - start, 1)}

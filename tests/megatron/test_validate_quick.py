@@ -22,7 +22,7 @@ ran up to 35 % slower and the fitted host terms came out too large. The trainer 
 calibrations after the fix gave MAPE 3.9 % and 11.7 %.
 
 The suite trains in fp32 (registered 2026-12-05), from fp32 calibrations: on CPUs without bf16
-instructions (AVX2-only AMD EPYC, where CI runs) a bf16 step is torch's emulation, and the bf16
+instructions (AVX2-only AMD EPYCs, on which CI has run) a bf16 step is torch's emulation, and the bf16
 version of this test was skipped there (the quick calibration's bf16 GEMM rate predicted Megatron's
 bf16 steps ~2.7x too slow, 2026-12-03). fp32 runs natively on every CPU, so the test runs everywhere.
 """
