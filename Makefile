@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 # disturb their timings
 REALTIME := $(if $(filter 0,$(shell id -u)),--realtime,)
 
-.PHONY: install run calibrate validate validate-fp32 test test-unit test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e clean
+.PHONY: install run calibrate validate validate-fp32 validate-scheduler test test-unit test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -49,6 +49,13 @@ validate-fp32: install
 	$(PIPER) validate --suite full-fp32 $(REALTIME) --recalibrate --profiles docs/validation/fp32/profiles \
 	  --json docs/validation/fp32/results.json --plot docs/validation/fp32
 
+# The scheduler judged on its real output (piper_core/validate/scheduler.py): every job of the fp32
+# suite searched over the plans its CPU trainer runs, the top 3 and 3 seeded random feasible plans
+# trained and timed, each topology calibrated in fp32 right before its jobs (~45 min on 2 cores, root)
+validate-scheduler: install
+	$(PY) -m piper_core.validate.scheduler --suite full-fp32 $(REALTIME) --recalibrate \
+	  --profiles docs/validation/fp32/scheduler/profiles --json docs/validation/fp32/scheduler/results.json
+
 # Benchmarks (not part of `make test`): scheduler search speed over the full space; the all-to-all
 # and the pipelined MoE layer on the emulated 2-node cluster (root, ~20-25 min; docs/alltoall.md).
 bench: install
@@ -68,7 +75,7 @@ E2E_PROFILES := .piper/e2e-profiles
 # framework:workload:Mbit/s:timed steps per run:nodes x ranks (0.1 s steps need 40 for a 3 % resolution)
 E2E_CASES := megatron:wide:50:4:2x1 megatron:wide-2k:50:4:2x1 megatron:small:1000:4:2x1 \
              megatron:small:1000:40:2x1 deepspeed:wide-2k:50:4:2x1 megatron:wide-2k:50:4:2x2 \
-             deepspeed:small:1000:40:2x1
+             deepspeed:small:1000:40:2x1 deepspeed:wide-2k:50:4:2x2
 bench-e2e: install
 ifdef E2E_ARGS
 	$(PY) -m piper_core.bench.e2e $(E2E_ARGS)

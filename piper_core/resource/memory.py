@@ -161,7 +161,13 @@ def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: 
         held += in_flight_chunks(plan, rank) / len(chunks) * activations.embedding_activation_bytes(model, plan,
                                                                                                   kernels=kernels)
     if rank == plan.pp - 1:
-        held += activations.output_activation_bytes(model, plan, kernels=kernels)
+        output = activations.output_activation_bytes(model, plan, kernels=kernels)
+        if plan.vpp is None:
+            # without interleaving the last stage runs a micro-batch's backward right after its
+            # forward, and the loss and output layer's backward free what they kept before the
+            # last checkpointed group is rebuilt: the two are never held together
+            return math.ceil(held + max(output, transient))
+        held += output
     return math.ceil(held + transient)
 
 

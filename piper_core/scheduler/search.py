@@ -78,8 +78,8 @@ def _rank_key(s: Scored) -> tuple:
     return (round(math.log(s.step_s) * 1e6), s.peak_bytes, simplicity)
 
 
-def _structural(model: ModelSpec, gpus: int, gbs: int, combo: tuple,
-                sequence_parallel: bool = True) -> tuple[dict | None, str | None]:
+def _structural(model: ModelSpec, gpus: int, gbs: int, combo: tuple, sequence_parallel: bool = True,
+                shared_overlap: bool = True) -> tuple[dict | None, str | None]:
     """Kwargs for ParallelPlan, or the first Megatron rule the combination breaks."""
     tp, pp, vpp, cp, ep, etp_is_tp, mbs, recompute, dist_opt = combo
     etp = tp if etp_is_tp else 1
@@ -107,7 +107,7 @@ def _structural(model: ModelSpec, gpus: int, gbs: int, combo: tuple,
     kwargs = dict(gpus=gpus, tp=tp, pp=pp, vpp=vpp if vpp > 1 else None, cp=cp, ep=ep, etp=etp,
                   sequence_parallel=tp > 1 and sequence_parallel, micro_batch_size=mbs, global_batch_size=gbs,
                   recompute=recompute, recompute_num_layers=1 if recompute == "full" else None,
-                  distributed_optimizer=dist_opt, shared_expert_overlap=bool(model.moe_shared_expert_intermediate_size),
+                  distributed_optimizer=dist_opt, shared_expert_overlap=shared_overlap and bool(model.moe_shared_expert_intermediate_size),
                   num_layers_in_last_pipeline_stage=last)
     return kwargs, None
 
@@ -187,7 +187,8 @@ class _Scan:
         inner = self.inner
         if not inner or (prefix[5] and prefix[0] == 1):
             return False
-        kwargs, _ = _structural(self.model, self.gpus, self.gbs, prefix + inner[0], self.space.sequence_parallel)
+        kwargs, _ = _structural(self.model, self.gpus, self.gbs, prefix + inner[0], self.space.sequence_parallel,
+                                self.space.shared_expert_overlap)
         return kwargs is not None
 
     def scan(self, outer: list[tuple], progress=None) -> SearchResult:
@@ -225,7 +226,7 @@ class _Scan:
                 if variants is None:
                     variants = variants_of[key] = _variants(space, combo, cluster)
                 combos.append((combo, variants))
-            kwargs, reason = _structural(model, gpus, gbs, combos[0][0], space.sequence_parallel)
+            kwargs, reason = _structural(model, gpus, gbs, combos[0][0], space.sequence_parallel, space.shared_expert_overlap)
             if kwargs is None:  # the rules read only the first seven dimensions: all of inner fail alike
                 k = sum(len(v) for _, v in combos)
                 result.candidates += k
@@ -241,7 +242,7 @@ class _Scan:
                     _, twin, error = checked_base
                     base = None if twin is None else _copy(twin, distributed_optimizer=combo[8])
                 else:
-                    kwargs, _ = _structural(model, gpus, gbs, combo, space.sequence_parallel)
+                    kwargs, _ = _structural(model, gpus, gbs, combo, space.sequence_parallel, space.shared_expert_overlap)
                     kwargs["attention_backend"] = self.attention_backend
                     kwargs["defer_wgrad"] = space.defer_wgrad and combo[4] > 1
                     kwargs["precision"] = space.precision

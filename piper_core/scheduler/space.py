@@ -28,7 +28,8 @@ class SearchSpace:
     memory in the cluster spec). ``a2a``: the exchange variants tried for every plan with ep > 1
     (algorithm x pipeline chunks, and Megatron's EP overlap where its rules allow it; ``dedup``, Megatron's
     flex dispatcher, in one chunk); a model with a
-    shared expert overlaps it with the exchange wherever Megatron allows (it only hides time). ``sequence_parallel``: whether plans with tp > 1 use sequence
+    shared expert overlaps it with the exchange wherever Megatron allows (it only hides time), unless
+    ``shared_expert_overlap`` is False (a runtime that runs the shared expert after the exchange). ``sequence_parallel``: whether plans with tp > 1 use sequence
     parallelism (Megatron-Core needs it for MoE with tp > 1, so False leaves MoE models at tp = 1).
     ``defer_wgrad``: every plan with ep > 1 defers its experts' weight gradients (a runtime that asks
     for it, e.g. a DeepSpeed ``piper`` block with ``"defer_wgrad": true``; never varied by the search,
@@ -48,6 +49,7 @@ class SearchSpace:
     a2a: tuple[A2AVariant, ...] = A2A_CHOICES
     memory_savers: tuple[tuple[bool, float], ...] = ((False, 0.0), (True, 0.0), (True, 1.0))
     sequence_parallel: bool = True
+    shared_expert_overlap: bool = True
     defer_wgrad: bool = False
     precision: str = "bf16"
 
