@@ -15,3 +15,23 @@ def deepspeed_comm() -> None:
     from piper_deepspeed.measure import init_deepspeed_comm
 
     init_deepspeed_comm()
+
+
+def trainer_engine(job_json: dict) -> tuple:
+    """``(job, engine)``: the job of ``job_json`` and the DeepSpeed engine of the validation trainer's model
+    (:func:`piper_deepspeed.measure.ds_config`), built on this rank as the trainer builds them."""
+    import contextlib
+    import io
+
+    import piper_deepspeed
+    from piper_core.validate.instrument import TrainJob
+    from piper_deepspeed.builder import build_model
+    from piper_deepspeed.measure import ds_config
+
+    deepspeed_comm()
+    job = TrainJob.from_json(job_json)
+    net = build_model(job.model, job.plan, seed=job.seed, aux_loss_coeff=0.0)
+    with contextlib.redirect_stdout(io.StringIO()):
+        engine, _, _, _ = piper_deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                                     config=ds_config(job))
+    return job, engine

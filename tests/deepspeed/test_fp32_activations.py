@@ -15,9 +15,7 @@ norm output (:func:`piper_core.resource.activations._deepspeed_builder`). Megatr
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 from typing import Any
 
 import pytest
@@ -31,7 +29,7 @@ from piper_core.resource.activations import (  # noqa: E402
     output_activation_bytes,
     routed_rows,
 )
-from tests.deepspeed import deepspeed_comm  # noqa: E402
+from tests.deepspeed import trainer_engine  # noqa: E402
 from tests.gloo import run_ranks  # noqa: E402
 
 LIMIT = 0.01
@@ -50,18 +48,11 @@ def _saved_bytes(rank: int, world: int, job_json: dict[str, Any]) -> dict[str, A
     received, and whether the parameters hold gradients after each engine.step of one global batch."""
     import torch
 
-    import piper_deepspeed
-    from piper_core.validate.instrument import ActivationPeak, TrainJob
-    from piper_deepspeed.builder import build_model, lm_loss
-    from piper_deepspeed.measure import ds_config
+    from piper_core.validate.instrument import ActivationPeak
+    from piper_deepspeed.builder import lm_loss
     from piper_deepspeed.moe import moe_modules
 
-    deepspeed_comm()
-    job = TrainJob.from_json(job_json)
-    net = build_model(job.model, job.plan, seed=job.seed, aux_loss_coeff=0.0)
-    with contextlib.redirect_stdout(io.StringIO()):
-        engine, _, _, _ = piper_deepspeed.initialize(model=net, model_parameters=net.parameters(),
-                                                     config=ds_config(job))
+    job, engine = trainer_engine(job_json)
     rows: dict[str, int] = {}
 
     def count(name: str) -> Any:

@@ -14,16 +14,14 @@ default) with Piper's block and MoE layer, on gloo CPU processes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
 import math
 from typing import Any
 
 import pytest
 
 from piper_core.errors import SpecError
-from tests.deepspeed import deepspeed_comm
+from tests.deepspeed import trainer_engine
 from tests.gloo import run_ranks
 
 pytest.importorskip("deepspeed", reason="the DeepSpeed tier needs deepspeed installed")
@@ -91,17 +89,9 @@ def _train_fp32(rank: int, world: int, job_json: dict[str, Any]) -> dict[str, An
     """The validation trainer's engine (piper_deepspeed.measure), inspected after STEPS steps."""
     import torch
 
-    import piper_deepspeed
-    from piper_core.validate.instrument import TrainJob
-    from piper_deepspeed.builder import build_model, lm_loss
-    from piper_deepspeed.measure import ds_config
+    from piper_deepspeed.builder import lm_loss
 
-    deepspeed_comm()
-    job = TrainJob.from_json(job_json)
-    net = build_model(job.model, job.plan, seed=job.seed, aux_loss_coeff=0.0)
-    with contextlib.redirect_stdout(io.StringIO()):
-        engine, _, _, _ = piper_deepspeed.initialize(model=net, model_parameters=net.parameters(),
-                                                     config=ds_config(job))
+    job, engine = trainer_engine(job_json)
     g = torch.Generator().manual_seed(job.seed + rank)
     plan, s = job.plan, job.model.seq_length
     batches = [torch.randint(0, job.model.vocab_size, (plan.micro_batch_size, s + 1), generator=g)
