@@ -51,7 +51,8 @@ validate-fp32: install
 
 # The scheduler judged on its real output (piper_core/validate/scheduler.py): every job of the fp32
 # suite searched over the plans its CPU trainer runs, the top 3 and 3 seeded random feasible plans
-# trained and timed, each topology calibrated in fp32 right before its jobs (~45 min on 2 cores, root)
+# trained 3 times each in interleaved rounds, each topology calibrated in fp32 right before its jobs
+# (~1 h on 2 cores, root)
 validate-scheduler: install
 	$(PY) -m piper_core.validate.scheduler --suite full-fp32 $(REALTIME) --recalibrate \
 	  --profiles docs/validation/fp32/scheduler/profiles --json docs/validation/fp32/scheduler/results.json

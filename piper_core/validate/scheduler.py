@@ -3,7 +3,7 @@ plans drawn at random from the rest of its feasible plans, and compare the order
 them with the order they measure in.
 
     python -m piper_core.validate.scheduler [--suite full-fp32] [--profiles DIR] [--recalibrate] [--jobs A,B]
-        [--top 3] [--random 3] [--seed 0] [--steps 12] [--json FILE]   # trains every chosen plan
+        [--top 3] [--random 3] [--seed 0] [--repeats 3] [--steps 12] [--json FILE]   # trains the chosen plans
     python -m piper_core.validate.scheduler --report FILE.json            # a recorded run's tables
 
 A job is what the cases of one group of a suite share (framework, model, world size, global batch,
@@ -13,8 +13,9 @@ job's CPU trainer runs (:func:`trainer_space`), priced from the calibrated profi
 topology, as ``piper validate`` predicts its cases. The ``--top`` fastest predicted plans are
 trained, and ``--random`` plans drawn from the other feasible ones with a generator seeded by
 ``--seed`` and the job's name -- so which plans run is fixed by the committed code, the suite and
-the profile before any of them is timed. Every chosen plan is trained (12 steps, 3 untimed, as
-``piper validate``) and every run counts; a run that fails is reported with its error, and the
+the profile before any of them is timed. Every chosen plan is trained ``--repeats`` times (12 steps,
+3 untimed, as ``piper validate``), in interleaved rounds, and its median judged: single runs of one
+plan spread 13-24 % on this 2-core machine (docs/validation.md). Every run counts; a run that fails is reported with its error, and the
 verdict fails.
 
 Per job: Kendall's tau-b between the predicted and the measured step over its plans, the pick's
@@ -42,7 +43,7 @@ from piper_core.specs.cluster import ClusterSpec
 from piper_core.validate.compare import PICK_LIMIT, Row
 from piper_core.validate.suite import Case, Suite
 
-TOP, RANDOM, SEED = 3, 3, 0
+TOP, RANDOM, SEED, REPEATS = 3, 3, 0, 3
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,26 +147,40 @@ def headline(jobs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_job(job: Job, cluster: ClusterSpec, *, top: int = TOP, draws: int = RANDOM, seed: int = SEED,
-            train: Callable[[Case, ClusterSpec], Row], progress: Callable[[], None] = lambda: None) -> dict[str, Any]:
-    """Search ``job`` on ``cluster``, train the chosen plans with ``train(case, cluster)``, judge them."""
+            repeats: int = REPEATS, train: Callable[[Case, ClusterSpec], Row],
+            progress: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Search ``job`` on ``cluster``, train each chosen plan ``repeats`` times with ``train(case,
+    cluster)`` in interleaved rounds (every plan once per round, the order rotated by the round) and
+    judge the medians. A plan that fails is not run again."""
+    import statistics
+
     from piper_core.export import plan_label
     from piper_core.specs.yamlio import to_dict
 
     t = job.template
     result = search(t.model, cluster, t.plan.gpus, t.plan.global_batch_size, space=trainer_space(t, cluster),
                     attention_backend=t.plan.attention_backend)
-    runs = []
-    for kind, scored in choose(job, result, top=top, draws=draws, seed=seed):
-        entry: dict[str, Any] = {"kind": kind, "plan": plan_label(scored.plan), "plan_fields": to_dict(scored.plan)}
-        try:
-            row = train(job.case(scored.plan, kind), cluster)
-        except Exception as exc:  # reported and counted (the verdict fails), never dropped
-            entry["failure"] = f"{type(exc).__name__}: {exc}"[:500]
-        else:
-            entry |= {"predicted_s": round(row.predicted_step_s, 5), "measured_s": round(row.measured_step_s, 5),
-                      "step_error": round(row.step_error, 4)}
-        runs.append(entry)
-        progress()
+    chosen = choose(job, result, top=top, draws=draws, seed=seed)
+    runs = [{"kind": kind, "plan": plan_label(s.plan), "plan_fields": to_dict(s.plan)} for kind, s in chosen]
+    measured: list[list[float]] = [[] for _ in chosen]
+    predicted: list[float] = [0.0] * len(chosen)
+    for r in range(repeats):
+        for i in [(k + r) % len(chosen) for k in range(len(chosen))]:
+            kind, scored = chosen[i]
+            if "failure" not in runs[i]:
+                try:
+                    row = train(job.case(scored.plan, kind), cluster)
+                except Exception as exc:  # reported and counted (the verdict fails), never dropped
+                    runs[i]["failure"] = f"{type(exc).__name__}: {exc}"[:500]
+                else:
+                    measured[i].append(row.measured_step_s)
+                    predicted[i] = row.predicted_step_s
+            progress()
+    for entry, steps, pred in zip(runs, measured, predicted):
+        if "failure" not in entry:
+            median = statistics.median(steps)
+            entry |= {"predicted_s": round(pred, 5), "measured_s": round(median, 5),
+                      "measured_runs_s": [round(x, 5) for x in steps], "step_error": round((pred - median) / median, 4)}
     return {"name": job.name, "framework": t.framework, "topology": t.topology, "model": t.model.name,
             "gpus": t.plan.gpus, "gbs": t.plan.global_batch_size, "candidates": result.candidates,
             "feasible": result.feasible, "runs": runs} | job_figures(runs)
@@ -180,7 +195,8 @@ def report(data: dict[str, Any]) -> str:
     h = data["headline"]
     lines = [f"Command: `{data['command']}` at commit `{data['source'].get('commit')}` on {data['machine']}; "
              f"seed {data['seed']}, top {data['top']} + {data['random']} random feasible plans per job, "
-             f"{data['steps']} steps per run ({data['warmup']} untimed).", "",
+             f"{data['steps']} steps per run ({data['warmup']} untimed), "
+             f"{data.get('repeats', 1)} run(s) per plan in interleaved rounds (median).", "",
              f"**{h['jobs']} jobs, {h['runs']} runs ({h['failed_runs']} failed): worst pick regret "
              f"{_pct(h['worst_regret'])} ({h['worst_regret_job']}; limit {100 * h['regret_limit']:.0f} %), "
              f"{h['jobs_within_regret_limit']} of {h['jobs']} jobs within it; Kendall tau mean "
@@ -194,13 +210,14 @@ def report(data: dict[str, Any]) -> str:
                      f"{_pct(j['regret'])} | {'-' if j['tau'] is None else j['tau']} |")
     for j in data["jobs"]:
         lines += ["", f"**{j['name']}** ({j['model']}, {j['gpus']} ranks, gbs {j['gbs']}, {j['topology']}):", "",
-                  "| plan | chosen as | predicted s | measured s | error |", "|---|---|---|---|---|"]
+                  "| plan | chosen as | predicted s | measured s | runs (min-max) s | error |", "|---|---|---|---|---|---|"]
         for r in j["runs"]:
             if "failure" in r:
-                lines.append(f"| `{r['plan']}` | {r['kind']} | - | failed: {r['failure']} | - |")
+                lines.append(f"| `{r['plan']}` | {r['kind']} | - | failed: {r['failure']} | - | - |")
             else:
+                runs = r.get("measured_runs_s") or [r["measured_s"]]
                 lines.append(f"| `{r['plan']}` | {r['kind']} | {r['predicted_s']:.4f} | {r['measured_s']:.4f} | "
-                             f"{_pct(r['step_error'])} |")
+                             f"{min(runs):.4f}-{max(runs):.4f} ({len(runs)}) | {_pct(r['step_error'])} |")
     return "\n".join(lines)
 
 
@@ -221,6 +238,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=TOP, help=f"best predicted plans trained per job (default {TOP})")
     p.add_argument("--random", type=int, default=RANDOM, help=f"other feasible plans drawn per job (default {RANDOM})")
     p.add_argument("--seed", type=int, default=SEED, help=f"the draw's seed, with the job's name (default {SEED})")
+    p.add_argument("--repeats", type=int, default=REPEATS,
+                   help=f"runs per plan, in interleaved rounds; the median is judged (default {REPEATS})")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default 12, the first 3 untimed)")
     p.add_argument("--list", action="store_true", help="print each job's chosen plans and their predictions; train nothing")
     p.add_argument("--realtime", action="store_true", help="ranks under SCHED_FIFO (root)")
@@ -254,9 +273,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report(json.loads(a.report.read_text())))
         return 0
     try:
-        if a.top < 1 or a.random < 0:
-            raise SpecError("--top/--random", f"{a.top}/{a.random}", "top >= 1 (the pick is judged) and random >= 0",
-                            "give e.g. --top 3 --random 3")
+        if a.top < 1 or a.random < 0 or a.repeats < 1:
+            raise SpecError("--top/--random/--repeats", f"{a.top}/{a.random}/{a.repeats}", "top >= 1 (the pick is "
+                            "judged), random >= 0 and repeats >= 1", "give e.g. --top 3 --random 3 --repeats 3")
         suite = load_suite(a.suite)
         jobs = _select(jobs_of(suite), a.jobs)
     except SpecError as exc:
@@ -270,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     topologies = sorted({j.template.topology for j in jobs})
     if a.list:
         return _list(jobs, profiles_for(topologies, a.profiles, recalibrate=False, quick=False), a)
-    total, done = len(jobs) * (a.top + a.random), [0]
+    total, done = len(jobs) * (a.top + a.random) * a.repeats, [0]
     bar = Progress("piper validate scheduler")
 
     def tick() -> None:
@@ -285,12 +304,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster = profiles_for([topo], a.profiles, recalibrate=a.recalibrate, quick=False, realtime=a.realtime)[topo]
         for j in jobs:
             if j.template.topology == topo:
-                results[j.name] = run_job(j, cluster, top=a.top, draws=a.random, seed=a.seed, train=train,
-                                          progress=tick)
+                results[j.name] = run_job(j, cluster, top=a.top, draws=a.random, seed=a.seed, repeats=a.repeats,
+                                          train=train, progress=tick)
     results = [results[j.name] for j in jobs]
     data = provenance(suite, {t: a.profiles / f"{t}.yaml" for t in topologies}) | {
         "command": "python -m piper_core.validate.scheduler " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": _machine(), "seed": a.seed, "top": a.top, "random": a.random, "steps": steps, "warmup": warmup,
+        "machine": _machine(), "seed": a.seed, "top": a.top, "random": a.random, "repeats": a.repeats,
+        "steps": steps, "warmup": warmup,
         "jobs": results, "headline": headline(results)}
     print(report(data))
     if a.json:

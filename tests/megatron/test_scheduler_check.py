@@ -22,7 +22,8 @@ def test_pick_and_a_drawn_plan_train_and_are_judged(tmp_path, capsys):
     profiles.mkdir()
     shutil.copy(PROFILES / "local-2-fp32.yaml", profiles)
     out = tmp_path / "r.json"
-    rc = sc.main(["--jobs", "val-moe/2r/gbs8", "--top", "1", "--random", "1", "--steps", "4",
+    rc = sc.main(["--jobs", "val-moe/2r/gbs8", "--top", "1", "--random", "1", "--repeats", "1",
+                  "--steps", "4",
                   "--profiles", str(profiles), "--json", str(out)])
     data = json.loads(out.read_text())
     job = data["jobs"][0]

@@ -101,9 +101,30 @@ def test_run_job_reports_a_failing_plan_and_still_trains_the_others(jobs):
     assert "cannot run e4-top1/2r/gbs8:top1" in out["runs"][0]["failure"]
 
 
+def test_plans_run_in_rotated_rounds_and_the_median_is_judged(jobs):
+    from piper_core.validate.compare import Row
+
+    job = jobs["e4-top1/2r/gbs8"]
+    cluster = load_cluster(str(PROFILES / f"{job.template.topology}.yaml"))
+    order, times = [], {"top1": [1.0, 5.0, 1.2], "top2": [2.0, 2.0, 2.0]}  # top1's second run an outlier
+
+    def train(case, cluster):
+        kind = case.name.split(":")[1]
+        order.append(kind)
+        return Row(case=case, measured_step_s=times[kind][order.count(kind) - 1], predicted_step_s=1.0,
+                   measured_memory=(), predicted_memory=(), phases={}, losses=())
+
+    out = sc.run_job(job, cluster, top=2, draws=0, repeats=3, train=train)
+    assert order == ["top1", "top2", "top2", "top1", "top1", "top2"]
+    assert [r["measured_s"] for r in out["runs"]] == [1.2, 2.0] and out["runs"][0]["measured_runs_s"] == [1.0, 5.0, 1.2]
+    assert out["regret"] == 0 and out["runs"][0]["step_error"] == pytest.approx(1 / 1.2 - 1, abs=1e-4)
+
+
 def test_cli_refuses_an_unknown_job_and_reports_a_recorded_run(tmp_path, capsys):
     assert sc.main(["--jobs", "nope"]) == 2
     assert "--jobs" in capsys.readouterr().err
+    assert sc.main(["--repeats", "0"]) == 2
+    assert "repeats >= 1" in capsys.readouterr().err
     runs = [{"kind": "top1", "plan": "tp1 ep2", "predicted_s": 1.0, "measured_s": 1.0, "step_error": 0.0},
             {"kind": "random1", "plan": "tp1 ep1", "predicted_s": 2.0, "measured_s": 1.5, "step_error": 0.33}]
     job = {"name": "j", "framework": "megatron", "topology": "local-2-fp32", "model": "m", "gpus": 2, "gbs": 8,
