@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 # disturb their timings
 REALTIME := $(if $(filter 0,$(shell id -u)),--realtime,)
 
-.PHONY: install run calibrate validate validate-fp32 validate-scheduler test test-unit test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e clean
+.PHONY: install run calibrate validate validate-fp32 validate-fp32-repeat validate-scheduler test test-unit test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -48,6 +48,19 @@ validate: install
 validate-fp32: install
 	$(PIPER) validate --suite full-fp32 $(REALTIME) --recalibrate --profiles docs/validation/fp32/profiles \
 	  --json docs/validation/fp32/results.json --plot docs/validation/fp32
+
+# Repeatability: the fp32 suite run REPEATS times (default 3), each from its own fresh calibration,
+# every run recorded (docs/validation/fp32/runs/N/), then the headline's range and each case's spread
+# (piper_core/validate/repeat.py; ~15 min per run on 2 cores, root). A run that misses a limit (exit 1)
+# still counts; any other failure stops.
+REPEATS ?= 3
+validate-fp32-repeat: install
+	for i in $$(seq 1 $(REPEATS)); do \
+	  $(PIPER) validate --suite full-fp32 $(REALTIME) --recalibrate --profiles docs/validation/fp32/runs/$$i/profiles \
+	    --json docs/validation/fp32/runs/$$i/results.json --plot docs/validation/fp32/runs/$$i || [ $$? -eq 1 ] || exit 1; \
+	done
+	$(PY) -m piper_core.validate.repeat $$(seq -f 'docs/validation/fp32/runs/%g/results.json' 1 $(REPEATS)) \
+	  --json docs/validation/fp32/repeat.json
 
 # The scheduler judged on its real output (piper_core/validate/scheduler.py): every job of the fp32
 # suite searched over the plans its CPU trainer runs, the top 3 and 3 seeded random feasible plans

@@ -10,10 +10,9 @@ overhead terms for it, and this probe fits them on the machine, as part of ``pip
    or DeepSpeed-MoE's, as the adapter installs it) -- dense with 1 to 3 layers, MoE with 2
    to 16 experts, 1 to 3 micro-batches of 1 to 4 sequences, mostly ep = 1 and twice with the experts
    spread over every rank -- timing training steps and forward-only passes, without data-parallel
-   gradient reduction (one rank's own work). Their widths are those of the model family being
-   calibrated for (the validation family, :data:`piper_core.validate.cases.VAL_MODEL`; on CPU the
-   per-operator cost depends on the tensor sizes, as GEMM efficiency does); their structure is not
-   any validation plan.
+   gradient reduction (one rank's own work). They are of the probe's own family,
+   :data:`PROBE_MODEL`, which no validation model belongs to (until 2026-12-06 the probe took the
+   validation family's widths, so every calibration was fitted on the model it was judged on).
 2. :func:`fit_overheads` (pure) subtracts what the calibrated model already predicts for each probe
    run (GEMMs, the all-to-all, the optimizer; host terms zero) and solves two least-squares problems:
    forward-only passes give the element-wise rate as the framework achieves it per byte the model
@@ -21,9 +20,9 @@ overhead terms for it, and this probe fits them on the machine, as part of ``pip
    steps then give the backward factor, the per-micro-batch and the per-step terms. Fit quality
    (R^2, largest relative residual of the whole predicted step) goes into the profile.
 
-The probe runs are not validation plans (``piper validate`` runs 4-layer models with real expert,
-data and pipeline parallelism, other micro-batch sizes, experts and top-k), so validation checks the
-fitted terms on runs they were not fitted to.
+The probe runs are neither validation models nor validation plans (``piper validate`` runs 4-layer
+models of other widths and families, with real expert, data and pipeline parallelism, other micro-batch
+sizes, experts and top-k), so validation checks the fitted terms on runs they were not fitted to.
 """
 
 from __future__ import annotations
@@ -40,27 +39,51 @@ from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 
 
-def _probe_base() -> ModelSpec:
-    from piper_core.validate.cases import VAL_MODEL
-
-    return dataclasses.replace(VAL_MODEL, name="probe")
-
-
-PROBE_MODEL = _probe_base()
+PROBE_MODEL = ModelSpec(
+    name="probe", num_layers=2, hidden_size=96, num_attention_heads=3, ffn_hidden_size=384, num_experts=8,
+    moe_ffn_hidden_size=160, moe_router_topk=2, moe_capacity_factor=1.0, vocab_size=1536, seq_length=96,
+    normalization="RMSNorm", gated_linear_unit=False)
+"""The probe's own model family (layers and experts vary per probe run, :func:`probe_model`), disjoint
+from every validation model (issue 15): width 96 (3 heads of 32), sequence 96, vocabulary 1536, expert
+width 160, RMSNorm with plain GeLU MLPs -- no validation family has any of these widths, and none pairs
+RMSNorm with ungated MLPs. A user's calibration is fitted on this family whatever they train, so every
+validation run checks the fitted terms on a model they were not fitted to
+(tests/unit/test_probe_family.py holds the disjointness). Capacity-padded experts (factor 1.0): fixed
+GEMM shapes, see piper_core.validate.cases on oneDNN's per-shape cost."""
+PROBE_WIDE = dataclasses.replace(PROBE_MODEL, name="probe-wide", hidden_size=192, num_attention_heads=6,
+                                 ffn_hidden_size=768, moe_ffn_hidden_size=320)
+"""The same family twice as wide (6 heads of 32, ffn 768, experts 320): about half the probe runs
+train it, so that what grows with the tensors (GEMMs, element-wise bytes) and what does not (the
+per-layer, per-micro-batch and per-step host terms) separate by width as well as by token count. With
+one width the fitted terms traded weight (a probe at width 96 alone fitted DeepSpeed's terms so that
+its width-128 runs came out 20-28 % too fast, 2026-12-06)."""
+FAMILY_FIELDS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "moe_ffn_hidden_size",
+                 "moe_router_topk", "moe_capacity_factor", "vocab_size", "seq_length", "normalization",
+                 "gated_linear_unit")
+"""The fields a probe run records of its model (``"base"``), so a refit prices it on the model it ran."""
+_LEGACY_BASE = ModelSpec(
+    name="probe", num_layers=2, hidden_size=128, num_attention_heads=4, ffn_hidden_size=256, num_experts=8,
+    moe_ffn_hidden_size=256, moe_router_topk=2, moe_capacity_factor=1.0, vocab_size=1024, seq_length=128,
+    normalization="LayerNorm", gated_linear_unit=False)
+"""The model probe runs recorded before 2026-12-06 trained (the val-moe widths; they record no base)."""
 PROBE_MBS = 2
-# (layers, experts (None: dense), micro-batches, micro-batch size, experts spread over every rank):
-# structure and token counts spread so that per-layer, per-MoE-layer, per-expert, per-micro-batch and
-# per-byte terms separate; two runs with ep = ranks, so that ranks synchronise at every MoE layer as
-# in expert-parallel jobs (their all-to-all is priced by the fitted links, not by these terms)
-PROBES: tuple[tuple[int, int | None, int, int, bool], ...] = (
-    (1, None, 1, 1, False), (1, None, 1, 4, False), (3, None, 1, 2, False), (3, None, 3, 2, False),
-    (2, None, 2, 1, False), (2, 2, 1, 2, False), (2, 8, 1, 2, False), (2, 8, 3, 2, False), (1, 4, 2, 4, False),
-    (1, 8, 1, 1, False), (1, 16, 1, 2, False), (2, 8, 1, 2, True), (2, 16, 2, 2, True),
+# (layers, experts (None: dense), micro-batches, micro-batch size, experts spread over every rank,
+# wide): structure and token counts spread so that per-layer, per-MoE-layer, per-expert,
+# per-micro-batch and per-byte terms separate; two runs with ep = ranks, so that ranks synchronise at
+# every MoE layer as in expert-parallel jobs (their all-to-all is priced by the fitted links, not by
+# these terms); dense, MoE and spread runs each at both widths
+Probe = tuple[int, "int | None", int, int, bool, bool]
+PROBES: tuple[Probe, ...] = (
+    (1, None, 1, 1, False, False), (1, None, 1, 4, False, True), (3, None, 1, 2, False, False),
+    (3, None, 3, 2, False, True), (2, None, 2, 1, False, False), (2, 2, 1, 2, False, True),
+    (2, 8, 1, 2, False, False), (2, 8, 3, 2, False, True), (1, 4, 2, 4, False, False),
+    (1, 8, 1, 1, False, True), (1, 16, 1, 2, False, False), (2, 8, 1, 2, True, True), (2, 16, 2, 2, True, False),
 )
 
 
-def probe_label(layers: int, experts: int | None, m: int, mbs: int, spread: bool = False) -> str:
-    return f"{'dense' if experts is None else f'moe{experts}'}-L{layers}-m{m}-mbs{mbs}" + ("-epall" if spread else "")
+def probe_label(layers: int, experts: int | None, m: int, mbs: int, spread: bool = False, wide: bool = False) -> str:
+    return (f"{'dense' if experts is None else f'moe{experts}'}-L{layers}-m{m}-mbs{mbs}" + ("-epall" if spread else "")
+            + ("-wide" if wide else ""))
 
 
 FIELDS = ("layer_overhead_us", "moe_overhead_us", "expert_overhead_us", "backward_overhead_factor",
@@ -68,13 +91,21 @@ FIELDS = ("layer_overhead_us", "moe_overhead_us", "expert_overhead_us", "backwar
 """The host terms of :class:`~piper_core.specs.cluster.AcceleratorSpec` this probe fits."""
 
 
-def probe_model(layers: int, experts: int | None) -> ModelSpec:
+def probe_model(layers: int, experts: int | None, base: ModelSpec = PROBE_MODEL) -> ModelSpec:
     # capacity-padded experts (the base's capacity factor): fixed GEMM shapes, see
     # piper_core.validate.cases on oneDNN's per-shape cost
     moe = {"num_experts": 0, "moe_capacity_factor": None, "moe_router_topk": 1} if experts is None \
         else {"num_experts": experts}
-    return dataclasses.replace(PROBE_MODEL, name=f"probe-{'dense' if experts is None else f'moe{experts}'}-L{layers}",
+    return dataclasses.replace(base, name=f"{base.name}-{'dense' if experts is None else f'moe{experts}'}-L{layers}",
                                num_layers=layers, **moe)
+
+
+def base_of(run: dict[str, Any]) -> ModelSpec:
+    """The base model a recorded probe run trained: its ``"base"`` fields, or (records made before
+    2026-12-06, which have none) the val-moe widths the probe used then."""
+    if "base" not in run:
+        return _LEGACY_BASE
+    return dataclasses.replace(PROBE_MODEL, name="probe", **{k: run["base"][k] for k in FAMILY_FIELDS})
 
 
 def probe_plan(world: int, micro_batches: int, mbs: int = PROBE_MBS, spread: bool = False,
@@ -84,13 +115,13 @@ def probe_plan(world: int, micro_batches: int, mbs: int = PROBE_MBS, spread: boo
                         attention_backend=attention, precision=precision)
 
 
-def probes_for(framework: str) -> tuple[tuple[int, int | None, int, int, bool], ...]:
+def probes_for(framework: str) -> tuple[Probe, ...]:
     """:data:`PROBES` for Megatron-Core; for DeepSpeed every MoE run spreads its experts over all
     ranks, since DeepSpeed keeps its own MoE layer at ep = 1 and Piper's layer (the one whose host
     cost is wanted) runs only at ep > 1."""
     if framework != "deepspeed":
         return PROBES
-    return tuple((layers, e, m, mbs, e is not None) for layers, e, m, mbs, spread in PROBES if not spread)
+    return tuple((layers, e, m, mbs, e is not None, wide) for layers, e, m, mbs, spread, wide in PROBES if not spread)
 
 
 # What each framework's model runs for attention: Megatron-Core's local layers on CPU the unfused
@@ -120,15 +151,17 @@ def probe_rank(info: Any, settings: dict[str, Any] | None = None) -> dict[str, A
     forward = int(settings.get("forward_steps", 3 if quick else 5))
     out = []
     with tempfile.TemporaryDirectory(prefix="piper-probe-") as tmp:
-        for layers, experts, m, mbs, spread in probes_for(framework):
+        for layers, experts, m, mbs, spread, wide in probes_for(framework):
             if spread and (info.world_size == 1 or experts % info.world_size):
                 continue
             plan = probe_plan(info.world_size, m, mbs, spread, ATTENTION[framework], precision)
-            job = TrainJob(model=probe_model(layers, experts), plan=plan, steps=steps, warmup=warmup,
+            base = PROBE_WIDE if wide else PROBE_MODEL
+            job = TrainJob(model=probe_model(layers, experts, base), plan=plan, steps=steps, warmup=warmup,
                            forward_steps=forward, sync_grads=False)
             r = train(job, Path(tmp))
-            out.append({"label": probe_label(layers, experts, m, mbs, spread), "layers": layers, "experts": experts,
+            out.append({"label": probe_label(layers, experts, m, mbs, spread, wide), "layers": layers, "experts": experts,
                         "micro_batches": m, "micro_batch_size": mbs, "spread": spread,
+                        "base": {k: getattr(base, k) for k in FAMILY_FIELDS},
                         "attention_backend": plan.attention_backend, "precision": precision,
                         "step_s": statistics.median(r["step_s"][warmup:]), "forward_s": statistics.median(r["forward_s"])})
     return {"rank": info.rank, "runs": out}
@@ -169,7 +202,7 @@ def _base(cluster: ClusterSpec, run: dict[str, Any], world: int) -> tuple[float,
     from piper_core.timing.step import _logits, step_time
 
     layers, experts, m = run["layers"], run["experts"], run["micro_batches"]
-    model = probe_model(layers, experts)
+    model = probe_model(layers, experts, base_of(run))
     plan = probe_plan(world, m, run.get("micro_batch_size", PROBE_MBS), run.get("spread", False),
                       run.get("attention_backend", "unfused"), run.get("precision", "bf16"))
     cost = layer_cost(model, shape_of(plan), cluster, model.is_moe)

@@ -23,8 +23,9 @@ from piper_core.emulate import RankFailure, run_emulated, run_local
 from piper_core.emulate.netns import EmulationError
 
 BENCH_TARGET = "piper_core.calibrate.bench:run"
-BENCH_VERSION = 4
-"""Part of every cache key: bump it when :mod:`.bench` changes what a result means."""
+BENCH_VERSION = 5
+"""Part of every cache key: bump it when :mod:`.bench` or the probe changes what a result means
+(5: the probe trains its own two-width family, 2026-12-06)."""
 PROBE_TARGET = "piper_core.calibrate.probe:probe_rank"
 """The host-overhead probe's rank side (:mod:`.probe`): it trains through the framework's trainer,
 which an adapter registers (:mod:`piper_core.trainers`); without one the probe is skipped."""

@@ -22,13 +22,15 @@ KNOWN = {"layer_overhead_us": 900.0, "moe_overhead_us": 2500.0, "expert_overhead
 
 def _synthetic_probe(world: int, cluster):
     """Probe results as a machine with overheads KNOWN would give them (the model's own times)."""
-    from piper_core.calibrate.probe import PROBES, _base, probe_label
+    from piper_core.calibrate.probe import FAMILY_FIELDS, PROBE_MODEL, PROBE_WIDE, PROBES, _base, probe_label
 
     truth = dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, **KNOWN))
     runs = []
-    for layers, experts, m, mbs, spread in PROBES:
-        run = {"label": probe_label(layers, experts, m, mbs, spread), "layers": layers, "experts": experts,
-               "micro_batches": m, "micro_batch_size": mbs, "spread": spread}
+    for layers, experts, m, mbs, spread, wide in PROBES:
+        base = PROBE_WIDE if wide else PROBE_MODEL
+        run = {"label": probe_label(layers, experts, m, mbs, spread, wide), "layers": layers, "experts": experts,
+               "micro_batches": m, "micro_batch_size": mbs, "spread": spread,
+               "base": {k: getattr(base, k) for k in FAMILY_FIELDS}}
         step, fwd = _base(truth, run, world)
         runs.append(run | {"step_s": step, "forward_s": fwd})
     return [{"rank": r, "runs": runs} for r in range(world)]
@@ -113,7 +115,7 @@ def test_topology_names_carry_the_framework_whose_overheads_are_probed():
     assert steps["megatron"].args == ({"quick": True},)  # unchanged: cached Megatron probes stay valid
     assert steps["deepspeed"].args == ({"quick": True, "framework": "deepspeed"},)
     # DeepSpeed keeps its own MoE layer at ep 1: every MoE probe run spreads its experts (Piper's layer)
-    assert all(spread == (experts is not None) for _, experts, _, _, spread in probes_for("deepspeed"))
+    assert all(spread == (experts is not None) for _, experts, _, _, spread, _ in probes_for("deepspeed"))
     assert probes_for("megatron") == PROBES
 
 
