@@ -330,11 +330,30 @@ def _moe_terms(model: ModelSpec, plan: ParallelPlan, d: _Dims, k: Kernels, out: 
         out["combine.gates"] = n * _FP32
     else:
         out["experts.probs"] = rows * d.act  # permuted probs, saved by WeightedSwiGLUFunction / the scale mul
+        if plan.a2a_chunks > 1:
+            out[PIPELINED_EXPERT_OUTPUT] = rows * model.hidden_size * d.act
     _mlp_terms(model, k, rows, model.moe_ffn_hidden_size // plan.etp_size, d.act, "experts", out, weighted=True, ds=ds)
     if model.moe_shared_expert_intermediate_size:
         # SharedExpertMLP: a dense MLP on the same norm output (already counted as the router input)
         _mlp_terms(model, k, d.tokens, model.moe_shared_expert_intermediate_size // plan.tp, d.act,
                    "shared_experts", out, weighted=False, ds=ds)
+
+
+PIPELINED_EXPERT_OUTPUT = "pipelined.expert_output"
+"""Megatron-Core with Piper's dispatcher in chunks > 1 runs dispatch, experts and combine in one
+:func:`piper_core.runtime.moe_alltoall`, which keeps each chunk's expert output (with its graph) until
+that chunk's backward (``_Run.saved``, piper_core/runtime/pipelined.py); unpipelined, Megatron's experts
+module hands it to the combine, which frees it. Kept outside autograd's saved tensors, so no
+saved-tensor hook sees it (:data:`UNSAVED`). Measured (full suite, fp32, 2026-12-06): the peak of
+2r-ep2-pipelined2 is 1.0 MiB above 2r-ep2-mbs2's, the 4 layers' expert outputs (512 rows x 128 x 4 B
+each). Piper's DeepSpeed layer runs moe_alltoall in one chunk too and keeps the same tensor there;
+that is not priced yet: plans priced with Megatron's modules (the GPU presets) get the term in
+chunks > 1 only, and the CPU builder's (``ds``) not at all, as DeepSpeed's CPU peaks carry other
+errors (its state priced 33 % high, the micro-batch-4 peak +4.6 %) and the term alone would put
+ds-2r-ep2-mbs4 at +8.7 %."""
+UNSAVED = (PIPELINED_EXPERT_OUTPUT,)
+"""Terms a layer keeps for backward outside autograd's saved tensors (counted in the peak, not in the
+validation's "parameters + saved activations", which saved-tensor hooks measure)."""
 
 
 def layer_activation_terms(model: ModelSpec, plan: ParallelPlan, *, moe: bool, recomputed: bool = True,
@@ -376,9 +395,11 @@ def layer_activation_terms(model: ModelSpec, plan: ParallelPlan, *, moe: bool, r
 
 
 def layer_activation_bytes(model: ModelSpec, plan: ParallelPlan, *, moe: bool, recomputed: bool = True,
-                           kernels: Kernels = GPU_DEFAULTS) -> int:
-    """Total of :func:`layer_activation_terms`: bytes one layer keeps for backward per micro-batch."""
-    return sum(layer_activation_terms(model, plan, moe=moe, recomputed=recomputed, kernels=kernels).values())
+                           kernels: Kernels = GPU_DEFAULTS, saved_only: bool = False) -> int:
+    """Total of :func:`layer_activation_terms`: bytes one layer keeps for backward per micro-batch
+    (``saved_only``: without the :data:`UNSAVED` terms)."""
+    terms = layer_activation_terms(model, plan, moe=moe, recomputed=recomputed, kernels=kernels)
+    return sum(v for k, v in terms.items() if not (saved_only and k in UNSAVED))
 
 
 def embedding_activation_bytes(model: ModelSpec, plan: ParallelPlan, *, kernels: Kernels = GPU_DEFAULTS) -> int:

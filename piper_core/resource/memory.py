@@ -62,6 +62,7 @@ class StageMemory:
     buffers: int
     overhead: int
     step_gradients: int = 0  # fp32 gradient copy live only during the optimizer step
+    unsaved: int = 0  # of ``activations``: kept outside autograd's saved tensors (activations.UNSAVED)
     host: int = 0  # offloaded optimizer state on the host (not part of ``total``)
 
     @property
@@ -124,20 +125,22 @@ def in_flight_chunks(plan: ParallelPlan, rank: int) -> int:
 
 
 @functools.lru_cache(maxsize=65536)
-def _layer_bytes(model: ModelSpec, plan: ParallelPlan, moe: bool, kernels: activations.Kernels) -> int:
-    return activations.layer_activation_bytes(model, plan, moe=moe, kernels=kernels)
+def _layer_bytes(model: ModelSpec, plan: ParallelPlan, moe: bool, kernels: activations.Kernels,
+                 saved_only: bool = False) -> int:
+    return activations.layer_activation_bytes(model, plan, moe=moe, kernels=kernels, saved_only=saved_only)
 
 
 def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: tuple[tuple[bool, ...], ...],
-                       kernels: activations.Kernels = activations.GPU_DEFAULTS) -> int:
+                       kernels: activations.Kernels = activations.GPU_DEFAULTS, saved_only: bool = False) -> int:
     """Activation bytes rank ``rank`` keeps at its peak (all in-flight micro-batches).
 
     ``chunks`` holds, per model chunk of the rank, whether each layer is a MoE layer; ``kernels``
-    what the accelerator's kernels keep (:func:`activations.kernels_for`).
+    what the accelerator's kernels keep (:func:`activations.kernels_for`); ``saved_only``: without
+    what is kept outside autograd's saved tensors (:data:`activations.UNSAVED`).
     """
     plain = dataclasses.replace(plan, recompute="none", recompute_num_layers=None) if plan.recompute == "full" else plan
     kinds = {moe for chunk in chunks for moe in chunk}
-    full = {moe: _layer_bytes(model, plain, moe, kernels) for moe in kinds}
+    full = {moe: _layer_bytes(model, plain, moe, kernels, saved_only) for moe in kinds}
     n = plan.recompute_num_layers or 1
     per_mb = 0       # bytes one micro-batch keeps on this rank, summed over its chunks
     transient = 0    # full recompute: one checkpointed group rebuilt in backward
@@ -212,10 +215,11 @@ def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
     kernels = activations.kernels_for(cluster.accelerator)
     for rank, chunks in enumerate(stage_kinds(model, plan)):
         state = _state_bytes(params[rank], plan)
+        acts = _stage_activations(model, plan, rank, chunks, kernels)
         out.append(StageMemory(
             stage=rank, layers=sum(len(c) for c in chunks), params=params[rank], weights=state.weights,
             gradients=state.gradients, optimizer=state.optimizer, step_gradients=state.step_gradients,
-            activations=_stage_activations(model, plan, rank, chunks, kernels),
+            activations=acts, unsaved=acts - _stage_activations(model, plan, rank, chunks, kernels, saved_only=True),
             buffers=last_buffers if rank == plan.pp - 1 else buffers,
             overhead=round(cluster.memory_overhead_gib * GIB), host=state.host,
         ))

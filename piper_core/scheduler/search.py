@@ -259,7 +259,13 @@ class _Scan:
                     base, peak, reason = memory.fit(combo, base)
                     if base is not None:
                         timer = ExchangeVariants(model, base, cluster, cache)
-                        scored += [_score(model, cluster, base, peak, v, timer=timer, checked=checked) for v in variants]
+                        # a pipelined exchange keeps more (activations.PIPELINED_EXPERT_OUTPUT)
+                        piped = memory.pipelined_peak(combo, base) if any(v[1] > 1 for v in variants) else peak
+                        fits = [v for v in variants if v[1] == 1 or piped is not None]
+                        if len(fits) < len(variants):
+                            rejected[MEMORY] += len(variants) - len(fits)
+                        scored += [_score(model, cluster, base, peak if v[1] == 1 else piped, v, timer=timer,
+                                          checked=checked) for v in fits]
                 except Infeasible as exc:  # a host-framework rule the structural checks do not know
                     base, reason = None, exc.reason
                 if base is None:
@@ -409,6 +415,7 @@ class _Memory:
         self.model, self.cluster, self.space, self.limit = model, cluster, space, limit
         self.host_limit = cluster.host_capacity_gib * GIB
         self.rest: tuple = (None, None)  # (combo without dist_opt, ((params, activations+buffers, overhead), ...))
+        self.piped: tuple = (None, None)  # the same for the plan with its exchange pipelined (chunks > 1)
         self.states: dict = {}  # (state key, saver) -> {params: (weights+gradients+optimizer, host, step copy)}
         self.checked: set = set()  # savers built once through ParallelPlan's checks
         self.probed: tuple | None = None  # the last combo (without dist_opt) whose activations were checked
@@ -447,6 +454,20 @@ class _Memory:
                     state[params] = (bytes_.persistent, bytes_.host, bytes_.step_gradients)
             self.states[key] = state
         return state
+
+    def pipelined_peak(self, combo: tuple, plan: ParallelPlan) -> int | None:
+        """The peak of ``plan`` (as :meth:`fit` returned it, with its memory saver) with its exchange
+        in chunks > 1, which keeps each chunk's expert output until backward
+        (:data:`activations.PIPELINED_EXPERT_OUTPUT`; any chunk count alike), or None when that
+        exceeds the limit. The saver is the one the unpipelined plan needed: a pipelined variant that
+        would fit only with a further saver is rejected, not given it."""
+        same = combo[:-1]
+        if self.piped[0] != same:
+            stages = stage_memory(self.model, _copy(plan, a2a_chunks=2), self.cluster)
+            self.piped = (same, tuple(dict.fromkeys((s.params, s.activations + s.buffers, s.overhead) for s in stages)))
+        state = self._state(combo, plan, (plan.grad_reduce_in_bf16, plan.optimizer_offload_fraction))
+        peak = max(peak_bytes(state[params][0], overhead, r, state[params][2]) for params, r, overhead in self.piped[1])
+        return None if peak > self.limit else peak
 
     def fit(self, combo: tuple, plan: ParallelPlan) -> tuple[ParallelPlan | None, int, str]:
         savers = self._savers(plan)

@@ -61,7 +61,8 @@ def compare(case: Case, pred: Prediction, summary: dict[str, Any], *, warmup: in
     measured_step = statistics.median(summary["step_s"][warmup:])
     stages = summary["stages"]
     measured_mem = tuple(s["param_bytes"] + s["activation_peak_bytes"] for s in stages)
-    predicted_mem = tuple(s.weights + s.activations for s in pred.stages)
+    # what saved-tensor hooks measure: parameters and autograd's saved activations
+    predicted_mem = tuple(s.weights + s.activations - s.unsaved for s in pred.stages)
     return Row(case=case, measured_step_s=measured_step, predicted_step_s=pred.time.step,
                measured_memory=measured_mem, predicted_memory=predicted_mem,
                phases=_phases(case, pred, summary["moe_phases_ms_per_step"]), losses=tuple(summary["losses"]))

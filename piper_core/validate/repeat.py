@@ -106,9 +106,9 @@ def lines(f: dict[str, Any]) -> list[str]:
             f"over {f['runs']} runs ({f['rows']} runs of cases, every one counted):",
             f"  step-time MAPE {100 * r['step_mape'][0]:.1f}-{100 * r['step_mape'][1]:.1f}% per run "
             f"(limit {100 * lim['step_mape']:.0f}%), pooled {100 * f['pooled_step_mape']:.1f}%",
-            f"  worst step error from {_pct(r['worst_step_error'][0])} to {_pct(r['worst_step_error'][1])} "
+            f"  worst step error per run from {_pct(r['worst_step_error'][0])} (least) to {_pct(r['worst_step_error'][1])} (most) "
             f"(limit {100 * lim['worst_step']:.0f}%)",
-            f"  worst peak error from {_pct(r['worst_peak_error'][0])} to {_pct(r['worst_peak_error'][1])} "
+            f"  worst peak error per run from {_pct(r['worst_peak_error'][0])} (least) to {_pct(r['worst_peak_error'][1])} (most) "
             f"(limit {100 * lim['memory']:.0f}%)",
             f"  worst pick regret {100 * r['worst_pick_regret'][0]:.1f}-{100 * r['worst_pick_regret'][1]:.1f}% "
             f"(limit {100 * lim['pick']:.0f}%)",

@@ -274,8 +274,14 @@ def reference_search(model, cluster, gpus, gbs, space=None, memory_headroom=0.0,
             if algo == "dedup":  # the flex dispatcher: no shared-expert overlap, no Piper deferral
                 changes.update(shared_expert_overlap=False, defer_wgrad=False)
             plan = replace(base, **changes)
+            variant_peak = peak
+            if chunks > 1:  # a pipelined exchange keeps more: priced from scratch, with the base's saver
+                variant_peak = max(s.total for s in with_state_of(stage_memory(model, plan, cluster), plan))
+                if variant_peak > limit:
+                    result.rejected["exceeds memory"] += 1
+                    continue
             result.scored.append(Scored(plan=plan, step_s=step_time(model, plan, cluster, exact=False).step,
-                                        peak_bytes=peak))
+                                        peak_bytes=variant_peak))
     ranked = sorted(result.scored, key=_rank_key)
     head = [dataclasses.replace(s, step_s=step_time(model, s.plan, cluster).step) for s in ranked[:RETIME]]
     result.scored = head + ranked[RETIME:]
