@@ -391,6 +391,16 @@ def _copy_a2a(plan: ParallelPlan, algo: str, chunks: int, ep_overlap: bool = Fal
     return _copy(plan, **_a2a_changes(algo, chunks, ep_overlap))
 
 
+def _rest(stages: tuple) -> tuple:
+    """What of each distinct stage the state does not move: (params, activations + buffers, overhead)."""
+    return tuple(dict.fromkeys((s.params, s.activations + s.buffers, s.overhead) for s in stages))
+
+
+def _peak(state: dict, rest: tuple) -> int:
+    """The largest stage peak of ``rest`` under ``state`` ({params: (persistent, host, step copy)})."""
+    return max(peak_bytes(state[params][0], overhead, r, state[params][2]) for params, r, overhead in rest)
+
+
 class _Memory:
     """Memory fit of the search's base plans: :meth:`fit` gives the plan with the first memory saver
     of ``space.memory_savers`` that fits GPU memory (peak <= limit) and the hosts' memory (the
@@ -464,9 +474,8 @@ class _Memory:
         same = combo[:-1]
         if self.piped[0] != same:
             stages = stage_memory(self.model, _copy(plan, a2a_chunks=2), self.cluster)
-            self.piped = (same, tuple(dict.fromkeys((s.params, s.activations + s.buffers, s.overhead) for s in stages)))
-        state = self._state(combo, plan, (plan.grad_reduce_in_bf16, plan.optimizer_offload_fraction))
-        peak = max(peak_bytes(state[params][0], overhead, r, state[params][2]) for params, r, overhead in self.piped[1])
+            self.piped = (same, _rest(stages))
+        peak = _peak(self._state(combo, plan, (plan.grad_reduce_in_bf16, plan.optimizer_offload_fraction)), self.piped[1])
         return None if peak > self.limit else peak
 
     def fit(self, combo: tuple, plan: ParallelPlan) -> tuple[ParallelPlan | None, int, str]:
@@ -482,12 +491,12 @@ class _Memory:
                     self.probed = same
                 return None, 0, MEMORY
             stages = stage_memory(self.model, plan, self.cluster)
-            rest = tuple(dict.fromkeys((s.params, s.activations + s.buffers, s.overhead) for s in stages))
+            rest = _rest(stages)
             self.rest = (same, rest)
         reason = MEMORY
         for saver in savers:
             state = self._state(combo, plan, saver)
-            peak = max(peak_bytes(state[params][0], overhead, r, state[params][2]) for params, r, overhead in rest)
+            peak = _peak(state, rest)
             if peak > self.limit:
                 continue
             if max(state[params][1] for params, _, _ in rest) * self.cluster.gpus_per_node > self.host_limit:
