@@ -36,13 +36,16 @@ class Trainer:
     ``train(job, tmp_dir) -> report`` for many small jobs in that process (the overhead probe).
     ``check``: launcher side, raises ``ValueError`` for a job this trainer cannot run, before any
     process starts (None: it can run every job the plan allows). ``requires``: modules that must be
-    importable for it to train (checked by :func:`unavailable` without importing them)."""
+    importable for it to train (checked by :func:`unavailable` without importing them).
+    ``gradients_after_step``: whether the gradients outlive the optimizer step (part of the model
+    state a memory job measures after its last step: :mod:`piper_core.validate.peak`)."""
 
     name: str
     rank_target: str
     probe_setup: Callable[[Any], Callable[[Any, Path], dict[str, Any]]]
     check: Callable[[Any], None] | None = None
     requires: tuple[str, ...] = ()
+    gradients_after_step: bool = True
 
     def run(self, job: Any, *, nodes: int = 1, inter_node_mbit: float | None = None, timeout_s: float = TIMEOUT_S,
             realtime: bool = False) -> list[dict[str, Any]]:

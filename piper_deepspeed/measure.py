@@ -55,12 +55,13 @@ def ds_config(job: TrainJob) -> dict[str, Any]:
     chunk count tuned at run time with ``job.tune``). ``job.stock``: no block, so DeepSpeed's own MoE
     layer runs (the model is built for ``plan.ep`` either way)."""
     plan = job.plan
-    if plan.pp != 1 or plan.cp != 1 or plan.etp_size != 1:
+    if plan.pp != 1 or plan.cp != 1 or plan.tp != 1 or plan.etp_size != 1:
         from piper_core.export import plan_label
 
         raise SpecError("plan", plan_label(plan),
-                        "the DeepSpeed trainer measures pp = cp = etp = 1 plans (no PipelineModule)",
-                        "validate pipeline-parallel plans with the Megatron-Core trainer")
+                        "the DeepSpeed trainer measures pp = cp = tp = etp = 1 plans (no PipelineModule, no "
+                        "Megatron tensor parallelism in Piper's builder)",
+                        "validate pipeline- and tensor-parallel plans with the Megatron-Core trainer")
     if plan.attention_backend != "flash":
         raise SpecError("attention_backend", plan.attention_backend, "Piper's DeepSpeed builder runs torch's "
                         "scaled_dot_product_attention, which keeps no score matrix: the model prices it as flash",
@@ -168,9 +169,11 @@ def probe_setup(info: Any) -> Callable[[TrainJob, Path], dict[str, Any]]:
 
 
 TRAINER = Trainer(name="deepspeed", rank_target="piper_deepspeed.measure:rank_main", probe_setup=probe_setup,
-                  check=ds_config, requires=("deepspeed",))
+                  check=ds_config, requires=("deepspeed",), gradients_after_step=False)
 """Registered as the ``deepspeed`` trainer (entry-point group ``piper.trainers``, pyproject.toml);
-``check``: :func:`ds_config` refuses what the trainer cannot run before any process starts."""
+``check``: :func:`ds_config` refuses what the trainer cannot run before any process starts. The
+engine frees the gradients after each step (``DeepSpeedEngine._take_model_step`` calls the
+optimizer's ``zero_grad``, set_to_none, or its own, ``param.grad = None``)."""
 
 
 def run(job: TrainJob, *, nodes: int = 1, inter_node_mbit: float | None = None, timeout_s: float = TIMEOUT_S,

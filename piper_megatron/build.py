@@ -129,6 +129,9 @@ def _plan_fields(plan: ParallelPlan) -> dict[str, Any]:
     )
     if plan.pp > 1:
         fields["pipeline_dtype"] = dtype  # required by ModelParallelConfig with pp > 1
+        # Megatron-LM always sets it (megatron/training/arguments.py, core_args_from_args): a stage's
+        # output tensor is freed once sent, its .grad_fn kept for the backward
+        fields["deallocate_pipeline_outputs"] = True
     if plan.recompute != "none":
         fields["recompute_granularity"] = plan.recompute
     if plan.recompute == "full":

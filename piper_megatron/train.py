@@ -147,7 +147,8 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path, tensors: Any
     model, plan = job.model, job.plan
     rank, world = dist.get_rank(), dist.get_world_size()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
-                                             expert_model_parallel_size=plan.ep)
+                                             expert_model_parallel_size=plan.ep,
+                                             expert_tensor_parallel_size=plan.etp_size)
     patches, tracer = None, None
     try:
         if model.is_moe and not job.stock:
@@ -230,6 +231,9 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path, tensors: Any
                 "forward_s": forward,
                 "params": params, "param_bytes": sum(p.numel() * p.element_size() for p in gpt.parameters()),
                 "activation_peak_bytes": peak, "moe_phases_ms_per_step": per_step,
+                # Megatron's global memory buffer (unfused attention's baddbmm input): activations.workspace_bytes
+                "workspace_bytes": sum(t.untyped_storage().nbytes()
+                                       for t in parallel_state.get_global_memory_buffer().buffer.values()),
                 **({} if tensors is None else {"peak_tensor_bytes": tensors.peak, "state_tensor_bytes": state})}
     finally:
         if patches is not None:

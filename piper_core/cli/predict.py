@@ -86,6 +86,8 @@ def render(p: Prediction, *, overrides: str = "") -> str:
     lines += [f"stage {s.stage}: total counts the optimizer step's fp32 gradient copy ({s.step_gradients / GIB:.2f} "
               f"GiB) instead of activ + buffers (freed by then)"
               for s in p.stages if s.step_gradients > s.activations + s.buffers]
+    lines += [f"stage {s.stage}: total counts Megatron's global memory buffer ({s.workspace / GIB:.4f} GiB, the local "
+              f"spec's unfused attention input), kept through the step" for s in p.stages if s.workspace]
     t, r = p.time, p.rate
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.3g} s" for k, v in t.breakdown().items())
     lines += ["", f"step time {t.step:.3g} s ({parts})",

@@ -439,6 +439,34 @@ def output_activation_bytes(model: ModelSpec, plan: ParallelPlan, *, kernels: Ke
     return sum(out.values())
 
 
+def local_spec(plan: ParallelPlan, k: Kernels) -> bool:
+    """Megatron-Core's local (non-Transformer-Engine) layer spec: what the CPU trainer builds
+    (host kernels with unfused attention, ``DotProductAttention`` and the ``tensor_parallel`` linears)."""
+    return k.host and plan.attention_backend == "unfused"
+
+
+def workspace_bytes(model: ModelSpec, plan: ParallelPlan, k: Kernels) -> int:
+    """Megatron's global memory buffer under the local spec: bytes held from the first forward for
+    the rest of training (through the optimizer step), outside the model state and the activations.
+
+    ``parallel_state.get_global_memory_buffer()`` (``GlobalMemoryBuffer`` in megatron/core/utils.py)
+    keeps one tensor per (name, dtype), grown to the largest request and never freed.
+    ``DotProductAttention.forward`` takes a ``[b np/tp, s, s]`` view of the ``"mpu"`` one as
+    ``baddbmm``'s input (beta 0; the scores themselves are a new tensor), and with sequence
+    parallelism ``LinearWithGradAccumulationAndAsyncCommunication`` all-gathers the column-parallel
+    input ``[s b, h]`` into the same buffer. Transformer Engine's spec (the GPU presets) and the
+    DeepSpeed builder use neither: 0 there. Measured in the fp32 suite's memory jobs
+    (piper_core/validate/peak.py): 512 KiB of every Megatron rank's after-step bytes at b 2, s 128,
+    4 heads, which the state did not account for.
+    """
+    if not local_spec(plan, k):
+        return 0
+    d = _dims(model, plan)
+    scores = d.batch * (model.num_attention_heads // plan.tp) * d.seq * d.seq
+    gathered = d.tokens * model.hidden_size if plan.sequence_parallel else 0
+    return max(scores, gathered) * d.act
+
+
 def logits_transient_bytes(model: ModelSpec, plan: ParallelPlan) -> int:
     """Bytes the last stage holds per micro-batch beyond its saved activations while the loss runs.
 

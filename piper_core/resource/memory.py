@@ -62,12 +62,13 @@ class StageMemory:
     buffers: int
     overhead: int
     step_gradients: int = 0  # fp32 gradient copy live only during the optimizer step
+    workspace: int = 0  # framework buffers kept from the first forward on (activations.workspace_bytes)
     unsaved: int = 0  # of ``activations``: kept outside autograd's saved tensors (activations.UNSAVED)
     host: int = 0  # offloaded optimizer state on the host (not part of ``total``)
 
     @property
     def total(self) -> int:
-        return peak_bytes(self.weights + self.gradients + self.optimizer, self.overhead,
+        return peak_bytes(self.weights + self.gradients + self.optimizer, self.overhead + self.workspace,
                           self.activations + self.buffers, self.step_gradients)
 
 
@@ -174,18 +175,19 @@ def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: 
     return math.ceil(held + transient)
 
 
-def _buffers(model: ModelSpec, plan: ParallelPlan) -> tuple[int, int]:
+def _buffers(model: ModelSpec, plan: ParallelPlan, k: activations.Kernels) -> tuple[int, int]:
     """Transient buffers outside the saved activations, the largest one live at a time, on every
     stage but the last and on the last.
 
     The all-to-all receive buffer of one MoE layer (permuted tokens x hidden, before the sort by
     expert); with sequence parallelism, the all-gathered [s, b, h] input of a column-parallel
-    linear (SP saves the shard and re-gathers in backward); and on the last stage the logits, or
-    their gradient, beside the loss's fp32 copy (:func:`activations.logits_transient_bytes`).
+    linear (SP saves the shard and re-gathers in backward; the local spec gathers into its
+    persistent workspace instead, :func:`activations.workspace_bytes`); and on the last stage the
+    logits, or their gradient, beside the loss's fp32 copy (:func:`activations.logits_transient_bytes`).
     """
     tokens = model.seq_length // plan.cp * plan.micro_batch_size
     act = 4 if plan.precision == "fp32" else 2  # bytes per activation element
-    gathered = tokens * model.hidden_size * act if plan.sequence_parallel else 0
+    gathered = tokens * model.hidden_size * act if plan.sequence_parallel and not activations.local_spec(plan, k) else 0
     a2a = 0
     if model.is_moe:
         a2a = activations.routed_rows(model, plan) * model.hidden_size * act
@@ -211,8 +213,9 @@ def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
     """Per pipeline rank: every memory term in bytes for one GPU."""
     out = []
     params = stage_params(model, plan)
-    buffers, last_buffers = _buffers(model, plan)
     kernels = activations.kernels_for(cluster.accelerator)
+    buffers, last_buffers = _buffers(model, plan, kernels)
+    workspace = activations.workspace_bytes(model, plan, kernels)
     for rank, chunks in enumerate(stage_kinds(model, plan)):
         state = _state_bytes(params[rank], plan)
         acts = _stage_activations(model, plan, rank, chunks, kernels)
@@ -221,6 +224,6 @@ def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
             gradients=state.gradients, optimizer=state.optimizer, step_gradients=state.step_gradients,
             activations=acts, unsaved=acts - _stage_activations(model, plan, rank, chunks, kernels, saved_only=True),
             buffers=last_buffers if rank == plan.pp - 1 else buffers,
-            overhead=round(cluster.memory_overhead_gib * GIB), host=state.host,
+            overhead=round(cluster.memory_overhead_gib * GIB), workspace=workspace, host=state.host,
         ))
     return tuple(out)

@@ -77,12 +77,14 @@ def stage_json(s: StageMemory) -> dict[str, Any]:
             "params": {"dense": s.params.dense, "expert": s.params.expert, "total": s.params.total},
             "weights": _gib(s.weights), "gradients": _gib(s.gradients), "optimizer": _gib(s.optimizer),
             "activations": _gib(s.activations), "buffers": _gib(s.buffers), "overhead": _gib(s.overhead),
-            "step_gradients": _gib(s.step_gradients), "total": _gib(s.total), "host_optimizer": _gib(s.host)}
+            "step_gradients": _gib(s.step_gradients), "workspace": _gib(s.workspace), "total": _gib(s.total),
+            "host_optimizer": _gib(s.host)}
 
 
 def to_json(p: Prediction) -> dict[str, Any]:
     """The ``--json`` object. Memory in GiB (2**30 bytes), FLOPs per step over all GPUs. A stage's
-    ``total`` is its state and overhead plus the larger of activations + buffers and ``step_gradients``
+    ``total`` is its state, overhead and ``workspace`` (framework buffers kept through the step) plus
+    the larger of activations + buffers and ``step_gradients``
     (:func:`piper_core.resource.memory.peak_bytes`); ``params.active`` counts the input embedding,
     ``params.active_without_input_embedding`` does not."""
     plan = to_dict(p.plan) | {"dp": p.plan.dp, "edp": p.plan.edp, "etp": p.plan.etp_size,

@@ -392,8 +392,9 @@ def _copy_a2a(plan: ParallelPlan, algo: str, chunks: int, ep_overlap: bool = Fal
 
 
 def _rest(stages: tuple) -> tuple:
-    """What of each distinct stage the state does not move: (params, activations + buffers, overhead)."""
-    return tuple(dict.fromkeys((s.params, s.activations + s.buffers, s.overhead) for s in stages))
+    """What of each distinct stage the state does not move: (params, activations + buffers, overhead
+    + workspace: both held through the step as the state is)."""
+    return tuple(dict.fromkeys((s.params, s.activations + s.buffers, s.overhead + s.workspace) for s in stages))
 
 
 def _peak(state: dict, rest: tuple) -> int:

@@ -41,12 +41,12 @@ class TrainJob:
             raise SpecError("steps", self.steps, f"must be > warmup ({self.warmup}) to time a step",
                             f"use steps >= {self.warmup + 1}")
         for key, value, fix in (("distributed_optimizer", self.plan.distributed_optimizer, "dist_opt=false"),
-                                ("vpp", self.plan.vpp, "no vpp"), ("tp", self.plan.tp != 1 and self.plan.tp, "tp=1"),
+                                ("vpp", self.plan.vpp, "no vpp"),
                                 ("optimizer_offload_fraction", self.plan.optimizer_offload_fraction, "offload=0")):
             if value:
                 raise SpecError(key, value, "the CPU trainers (Megatron-Core's model, DDP and schedule with a "
                                 "host mixed-precision Adam; DeepSpeed at ZeRO 0) run no distributed optimizer or "
-                                "offload, no virtual pipeline, tp 1", f"set {fix}")
+                                "offload, no virtual pipeline", f"set {fix}")
 
     def to_json(self) -> dict[str, Any]:
         return {"model": to_dict(self.model), "plan": to_dict(self.plan), "steps": self.steps,
@@ -185,7 +185,8 @@ def summary(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     stages: dict[int, dict[str, int]] = {}
     for r in reports:
         st = stages.setdefault(r["pp_rank"], {"params": 0, "param_bytes": 0, "activation_peak_bytes": 0})
-        for k in ("params", "param_bytes", "activation_peak_bytes", "peak_tensor_bytes", "state_tensor_bytes"):
+        for k in ("params", "param_bytes", "activation_peak_bytes", "peak_tensor_bytes", "state_tensor_bytes",
+                  "workspace_bytes"):
             if k in r:
                 st[k] = max(st.get(k, 0), r[k])
     losses = next((r["losses"] for r in reports if r["losses"]), [])

@@ -11,7 +11,9 @@ left: the model state).
 Predicted: the stage's peak (:attr:`~piper_core.resource.memory.StageMemory.total`) less the fixed
 overhead (a device's CUDA context, NCCL and allocator reserve: not tensors), and the model state
 (weights, gradients, optimizer state, and the fp32 gradient copy of the step where there is one: it
-lives from the step to the next zero_grad).
+lives from the step to the next zero_grad; the gradients only where the trainer keeps them past the
+step, :attr:`~piper_core.trainers.Trainer.gradients_after_step`) with the framework's persistent workspace
+(:func:`~piper_core.resource.activations.workspace_bytes`), live after the step as the state is.
 
 The ledger slows the job several-fold: its step times are not timings, and timed runs never use it.
 """
@@ -53,7 +55,9 @@ def worst_relative_error(measured: tuple[int, ...], predicted: tuple[int, ...]) 
     return max(((p - m) / m for m, p in zip(measured, predicted)), key=abs)
 
 
-def peak_row(case: Case, pred: Prediction, summary: dict[str, Any]) -> PeakRow:
+def peak_row(case: Case, pred: Prediction, summary: dict[str, Any], *, gradients_after_step: bool = True) -> PeakRow:
+    """``gradients_after_step``: the trainer keeps the gradients past the step (Megatron's DDP buffer,
+    zeroed at the next step; DeepSpeed's engine frees them), so they are part of the measured state."""
     stages = summary["stages"]
     missing = [i for i, s in enumerate(stages) if "peak_tensor_bytes" not in s]
     if missing:
@@ -61,7 +65,8 @@ def peak_row(case: Case, pred: Prediction, summary: dict[str, Any]) -> PeakRow:
     return PeakRow(case=case, measured=tuple(s["peak_tensor_bytes"] for s in stages),
                    predicted=tuple(s.total - s.overhead for s in pred.stages),
                    measured_state=tuple(s["state_tensor_bytes"] for s in stages),
-                   predicted_state=tuple(s.weights + s.gradients + s.optimizer + s.step_gradients for s in pred.stages))
+                   predicted_state=tuple(s.weights + s.gradients * gradients_after_step + s.optimizer
+                                         + s.step_gradients + s.workspace for s in pred.stages))
 
 
 def measure_peak(case: Case, pred: Prediction, *, timeout_s: float = 600.0) -> PeakRow:
@@ -70,9 +75,9 @@ def measure_peak(case: Case, pred: Prediction, *, timeout_s: float = 600.0) -> P
     from piper_core.validate.instrument import TrainJob, summary
 
     job = TrainJob(model=case.model, plan=case.plan, steps=PEAK_STEPS, warmup=1, memory=True, stock=case.stock)
-    reports = trainers.get(case.framework).run(job, nodes=case.nodes, inter_node_mbit=case.inter_node_mbit,
-                                               timeout_s=timeout_s)
-    return peak_row(case, pred, summary(reports))
+    trainer = trainers.get(case.framework)
+    reports = trainer.run(job, nodes=case.nodes, inter_node_mbit=case.inter_node_mbit, timeout_s=timeout_s)
+    return peak_row(case, pred, summary(reports), gradients_after_step=trainer.gradients_after_step)
 
 
 def peak_figures(rows: list[PeakRow], limit: float) -> dict[str, Any]:

@@ -43,7 +43,8 @@ def test_stock_runs_deepspeeds_layer_and_tune_asks_the_block_to_tune() -> None:
 
 
 @pytest.mark.parametrize(("plan", "message"), [
-    ({"pp": 2, "ep": 1}, "measures pp = cp = etp = 1 plans"),
+    ({"pp": 2, "ep": 1}, "measures pp = cp = tp = etp = 1 plans"),
+    ({"tp": 2, "sequence_parallel": True, "ep": 1}, "measures pp = cp = tp = etp = 1 plans"),
     ({"attention_backend": "unfused"}, "scaled_dot_product_attention.*set attention_backend=flash"),
 ])
 def test_refuses_what_it_cannot_measure_before_launching(plan, message) -> None:

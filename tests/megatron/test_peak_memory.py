@@ -34,3 +34,29 @@ def test_measured_peak_is_the_predicted_peak(name):
     # the peak: state plus the largest of the activations in flight and the step's temporaries
     assert abs(row.error) <= LIMIT, row
     assert all(p > s for p, s in zip(row.measured, row.measured_state))
+
+
+@pytest.mark.parametrize("suite,name", [("full-fp32", "2r-ep2-mbs4"), ("full", "2r-pp2-mbs2")])
+def test_global_memory_buffer_is_the_predicted_workspace(suite, name):
+    """Megatron's global memory buffer, read from ``parallel_state`` after real training steps, is the
+    workspace the model prices for the local spec (unfused attention: [b np, s, s] in the activation
+    dtype; held through the step, so part of the measured after-step state), on every stage; and
+    Transformer Engine's spec (the GPU presets) prices none."""
+    import dataclasses
+
+    from piper_core import trainers
+    from piper_core.presets import load_cluster
+    from piper_core.resource.predict import predict
+    from piper_core.validate.cases import select
+    from piper_core.validate.instrument import TrainJob, summary
+    from piper_core.validate.suite import load_suite
+
+    (case,) = select([name], suite=load_suite(suite))
+    job = TrainJob(model=case.model, plan=case.plan, steps=2, warmup=1)
+    stages = summary(trainers.get("megatron").run(job, timeout_s=300))["stages"]
+    pred = predict(case.model, load_cluster("cpu-local"), case.plan)
+    b, s = case.plan.micro_batch_size, case.model.seq_length
+    expected = b * case.model.num_attention_heads * s * s * (4 if case.plan.precision == "fp32" else 2)
+    assert [st["workspace_bytes"] for st in stages] == [st.workspace for st in pred.stages] == [expected] * case.plan.pp
+    gpu = predict(case.model, load_cluster("dgx-h100"), dataclasses.replace(case.plan, attention_backend="flash"))
+    assert all(st.workspace == 0 for st in gpu.stages)
