@@ -3,7 +3,7 @@
 A suite is a YAML file committed before the measurements that use it (the format is described at
 the top of ``suites/full.yaml``); ``results.json`` records its name, path and sha256 beside the
 commit, so a figure can be traced to the suite it was registered in. Every case of a suite is
-counted in its headline figures; a subset (``where``: framework, ranks per node, nodes, topology,
+counted in its headline figures; a subset (``where``: framework, ranks per node, nodes, topology, tp,
 family: the suite model a case derives from)
 is a figure shown beside the headline, never instead of it. Bad input is a :class:`SpecError`
 naming the file, the case, the key, the value, the rule and the fix.
@@ -29,7 +29,7 @@ FRAMEWORKS = ("megatron", "deepspeed")
 TOP_KEYS = ("suite", "models", "models_from", "plan_defaults", "cases", "cases_from", "plan_overrides", "subsets")
 CASE_KEYS = ("name", "group", "model", "model_overrides", "gpus", "plan", "nodes", "inter_node_mbit", "framework",
              "stock")
-WHERE_KEYS = ("framework", "ranks_per_node", "nodes", "topology", "family", "stock")
+WHERE_KEYS = ("framework", "ranks_per_node", "nodes", "topology", "family", "stock", "tp")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,6 +52,10 @@ class Case:
     @property
     def ranks_per_node(self) -> int:
         return self.plan.gpus // self.nodes
+
+    @property
+    def tp(self) -> int:
+        return self.plan.tp
 
     @property
     def topology(self) -> str:
