@@ -70,7 +70,8 @@ def test_both_adapters_register_their_trainers():
     for name in ("megatron", "deepspeed"):
         assert name in trainers.registered(), name
     megatron = trainers.get("megatron")
-    assert megatron.name == "megatron" and megatron.rank_target.endswith(":rank_main") and megatron.check is None
+    assert megatron.name == "megatron" and megatron.rank_target.endswith(":rank_main") and megatron.check is not None
+    assert megatron.gradients_after_step and not trainers.get("deepspeed").gradients_after_step
     assert trainers.unavailable("megatron") is None
 
 

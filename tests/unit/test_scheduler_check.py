@@ -36,7 +36,7 @@ def test_kendall_tau_known_values():
 
 
 def test_one_job_per_group_of_alternatives_and_no_stock_job(jobs):
-    assert len(jobs) == 13  # 10 until the 3 cases registered 2026-12-06
+    assert len(jobs) == 14  # 10 until the 3 cases registered 2026-12-06, 13 until the 8-layer pp4 job
     assert "val-moe/2r/gbs8/stock" not in jobs and "val-moe/2r/gbs8/deepspeed" in jobs
     assert {j.template.framework for j in jobs.values()} == {"megatron", "deepspeed"}
     assert all(not j.template.stock for j in jobs.values())
