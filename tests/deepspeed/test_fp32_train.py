@@ -144,8 +144,9 @@ def test_measured_fp32_peak_is_the_predicted_peak_without_a_master_copy():
     pred = predict(case.model, load_cluster("cpu-local"), case.plan)
     row = measure_peak(case, pred, timeout_s=300)
     assert abs(row.error) <= LIMIT, row
-    # At ZeRO 0 DeepSpeed frees the fp32 gradients after each step, so the live state between steps
-    # lacks exactly them; a master copy (as many bytes as the gradients) would cancel that gap.
-    missing = row.predicted_state[0] - row.measured_state[0]
-    assert missing == pytest.approx(pred.stages[0].gradients, rel=LIMIT), (missing, pred.stages[0].gradients)
+    # At ZeRO 0 DeepSpeed frees the fp32 gradients after each step, so the live state between steps is
+    # the weights and Adam's m and v, which the comparison prices (gradients_after_step=False); a master
+    # copy would add as many bytes as the weights (+33 %).
+    assert abs(row.state_error) <= 0.01, row
+    assert pred.stages[0].weights / row.measured_state[0] > 0.3  # what a master copy would add
 
