@@ -132,47 +132,66 @@ def _layer_bytes(model: ModelSpec, plan: ParallelPlan, moe: bool, kernels: activ
 
 
 def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: tuple[tuple[bool, ...], ...],
-                       kernels: activations.Kernels = activations.GPU_DEFAULTS, saved_only: bool = False) -> int:
-    """Activation bytes rank ``rank`` keeps at its peak (all in-flight micro-batches).
+                       kernels: activations.Kernels = activations.GPU_DEFAULTS) -> tuple[int, int]:
+    """Activation bytes rank ``rank`` keeps at its peak (all in-flight micro-batches): all of them, and
+    those autograd saves (without what is kept outside its saved tensors, :data:`activations.UNSAVED`).
 
     ``chunks`` holds, per model chunk of the rank, whether each layer is a MoE layer; ``kernels``
-    what the accelerator's kernels keep (:func:`activations.kernels_for`); ``saved_only``: without
-    what is kept outside autograd's saved tensors (:data:`activations.UNSAVED`).
+    what the accelerator's kernels keep (:func:`activations.kernels_for`).
     """
+    per_chunk = _chunk_activations(model, plan, chunks, kernels)
+    in_flight = in_flight_chunks(plan, rank)
+    out = []
+    for per_mb, transient in per_chunk:
+        held = in_flight * per_mb / len(chunks)
+        if rank == 0:
+            held += in_flight / len(chunks) * activations.embedding_activation_bytes(model, plan, kernels=kernels)
+        if rank == plan.pp - 1:
+            output = activations.output_activation_bytes(model, plan, kernels=kernels)
+            if plan.vpp is None:
+                # without interleaving the last stage runs a micro-batch's backward right after its
+                # forward, and the loss and output layer's backward free what they kept before the
+                # last checkpointed group is rebuilt: the two are never held together
+                out.append(math.ceil(held + max(output, transient)))
+                continue
+            held += output
+        out.append(math.ceil(held + transient))
+    return out[0], out[1]
+
+
+@functools.lru_cache(maxsize=65536)
+def _chunk_activations(model: ModelSpec, plan: ParallelPlan, chunks: tuple[tuple[bool, ...], ...],
+                       kernels: activations.Kernels) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Bytes one micro-batch keeps on a rank with ``chunks`` (summed over its chunks), and under full
+    recompute the one checkpointed group rebuilt in backward: for all activations and for autograd's
+    saved ones. Ranks with the same chunks share it (the search prices every stage of many plans)."""
     plain = dataclasses.replace(plan, recompute="none", recompute_num_layers=None) if plan.recompute == "full" else plan
     kinds = {moe for chunk in chunks for moe in chunk}
-    full = {moe: _layer_bytes(model, plain, moe, kernels, saved_only) for moe in kinds}
     n = plan.recompute_num_layers or 1
-    per_mb = 0       # bytes one micro-batch keeps on this rank, summed over its chunks
-    transient = 0    # full recompute: one checkpointed group rebuilt in backward
-    for chunk in chunks:
-        if plan.recompute != "full":
-            per_mb += sum(full[moe] for moe in chunk)
-            continue
-        # uniform: every layer, checkpointed in groups of n; block: each of the first n layers of the
-        # chunk checkpointed on its own (TransformerBlock._checkpointed_forward)
-        uniform = plan.recompute_method == "uniform"
-        redo, kept = (chunk, ()) if uniform else (chunk[:n], chunk[n:])
-        group = n if uniform else 1
-        per_mb += sum(full[moe] for moe in kept)
-        if redo:
-            # a checkpointed group keeps only its input (the activation model's full-recompute term)
-            checkpoint = activations.layer_activation_bytes(model, plan, moe=False, recomputed=True, kernels=kernels)
-            per_mb += math.ceil(len(redo) / group) * checkpoint
-            transient = max(transient, sum(full[moe] for moe in redo[:group]))
-    held = in_flight_chunks(plan, rank) * per_mb / len(chunks)
-    if rank == 0:
-        held += in_flight_chunks(plan, rank) / len(chunks) * activations.embedding_activation_bytes(model, plan,
-                                                                                                  kernels=kernels)
-    if rank == plan.pp - 1:
-        output = activations.output_activation_bytes(model, plan, kernels=kernels)
-        if plan.vpp is None:
-            # without interleaving the last stage runs a micro-batch's backward right after its
-            # forward, and the loss and output layer's backward free what they kept before the
-            # last checkpointed group is rebuilt: the two are never held together
-            return math.ceil(held + max(output, transient))
-        held += output
-    return math.ceil(held + transient)
+    checkpoint = 0
+    if plan.recompute == "full":
+        # a checkpointed group keeps only its input (the activation model's full-recompute term)
+        checkpoint = activations.layer_activation_bytes(model, plan, moe=False, recomputed=True, kernels=kernels)
+    out = []
+    for saved_only in (False, True):
+        full = {moe: _layer_bytes(model, plain, moe, kernels, saved_only) for moe in kinds}
+        per_mb = 0
+        transient = 0
+        for chunk in chunks:
+            if plan.recompute != "full":
+                per_mb += sum(full[moe] for moe in chunk)
+                continue
+            # uniform: every layer, checkpointed in groups of n; block: each of the first n layers of the
+            # chunk checkpointed on its own (TransformerBlock._checkpointed_forward)
+            uniform = plan.recompute_method == "uniform"
+            redo, kept = (chunk, ()) if uniform else (chunk[:n], chunk[n:])
+            group = n if uniform else 1
+            per_mb += sum(full[moe] for moe in kept)
+            if redo:
+                per_mb += math.ceil(len(redo) / group) * checkpoint
+                transient = max(transient, sum(full[moe] for moe in redo[:group]))
+        out.append((per_mb, transient))
+    return out[0], out[1]
 
 
 def _buffers(model: ModelSpec, plan: ParallelPlan, k: activations.Kernels) -> tuple[int, int]:
@@ -218,11 +237,11 @@ def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
     workspace = activations.workspace_bytes(model, plan, kernels)
     for rank, chunks in enumerate(stage_kinds(model, plan)):
         state = _state_bytes(params[rank], plan)
-        acts = _stage_activations(model, plan, rank, chunks, kernels)
+        acts, saved = _stage_activations(model, plan, rank, chunks, kernels)
         out.append(StageMemory(
             stage=rank, layers=sum(len(c) for c in chunks), params=params[rank], weights=state.weights,
             gradients=state.gradients, optimizer=state.optimizer, step_gradients=state.step_gradients,
-            activations=acts, unsaved=acts - _stage_activations(model, plan, rank, chunks, kernels, saved_only=True),
+            activations=acts, unsaved=acts - saved,
             buffers=last_buffers if rank == plan.pp - 1 else buffers,
             overhead=round(cluster.memory_overhead_gib * GIB), workspace=workspace, host=state.host,
         ))
