@@ -50,17 +50,21 @@ validate-fp32: install
 	  --json docs/validation/fp32/results.json --plot docs/validation/fp32
 
 # Repeatability: the fp32 suite run REPEATS times (default 3), each from its own fresh calibration,
-# every run recorded (docs/validation/fp32/runs/N/), then the headline's range and each case's spread
-# (piper_core/validate/repeat.py; ~15 min per run on 2 cores, root). A run that misses a limit (exit 1)
-# still counts; any other failure stops.
+# every run recorded (SERIES/N/), then the headline's range and each case's spread
+# (piper_core/validate/repeat.py; ~40 min per run on 2 cores, root, with the suite's 3 rounds). A run
+# that misses a limit (exit 1) still counts; any other failure stops. FIRST=N resumes a series at run
+# N (the runs before it are kept and counted). The one-round series of 2026-12-06 (suite without
+# rounds, commit 7f7f0d6) is kept in docs/validation/fp32/runs/ and repeat.json.
 REPEATS ?= 3
+FIRST ?= 1
+SERIES ?= docs/validation/fp32/rounds3
 validate-fp32-repeat: install
-	for i in $$(seq 1 $(REPEATS)); do \
-	  $(PIPER) validate --suite full-fp32 $(REALTIME) --recalibrate --profiles docs/validation/fp32/runs/$$i/profiles \
-	    --json docs/validation/fp32/runs/$$i/results.json --plot docs/validation/fp32/runs/$$i || [ $$? -eq 1 ] || exit 1; \
+	for i in $$(seq $(FIRST) $(REPEATS)); do \
+	  $(PIPER) validate --suite full-fp32 $(REALTIME) --recalibrate --profiles $(SERIES)/$$i/profiles \
+	    --json $(SERIES)/$$i/results.json --plot $(SERIES)/$$i || [ $$? -eq 1 ] || exit 1; \
 	done
-	$(PY) -m piper_core.validate.repeat $$(seq -f 'docs/validation/fp32/runs/%g/results.json' 1 $(REPEATS)) \
-	  --json docs/validation/fp32/repeat.json
+	$(PY) -m piper_core.validate.repeat $$(seq -f '$(SERIES)/%g/results.json' 1 $(REPEATS)) \
+	  --json $(SERIES)/repeat.json
 
 # The scheduler judged on its real output (piper_core/validate/scheduler.py): every job of the fp32
 # suite searched over the plans its CPU trainer runs, the top 3 and 3 seeded random feasible plans

@@ -46,10 +46,11 @@ def parse_topology(name: str) -> Topology:
 
 def calibrate_topology(name: str, out: Path, *, quick: bool, base: str = "cpu-local",
                        timeout_per_bench_s: float | None = None, realtime: bool = False,
-                       fresh: bool = False) -> Calibration:
+                       fresh: bool = False, probe_rounds: int = 1) -> Calibration:
     """Run ``piper calibrate`` for topology ``name`` and write the profile to ``out`` (cache next to it).
     ``fresh``: measure everything again (the cache next to ``out`` is removed first): a cached
-    benchmark from an earlier hour describes the machine of that hour."""
+    benchmark from an earlier hour describes the machine of that hour. ``probe_rounds``: the
+    host-overhead probe's rounds (``piper calibrate --probe-rounds``)."""
     topology = dataclasses.replace(parse_topology(name), realtime=realtime)
     emulate = (f"--emulate {topology.nodes}x{topology.ranks_per_node} --inter-node-mbit {topology.inter_node_mbit:g}"
                if topology.emulated else f"--ranks {topology.ranks_per_node}")
@@ -57,9 +58,11 @@ def calibrate_topology(name: str, out: Path, *, quick: bool, base: str = "cpu-lo
     framework, precision = split_framework(name)[1], split_precision(name)[1]
     command = (f"piper calibrate --out {out} {emulate} --base {base}" + (" --quick" if quick else "")
                + (" --realtime" if realtime else "") + (f" --framework {framework}" if framework != "megatron" else "")
-               + (f" --precision {precision}" if precision != "bf16" else ""))
+               + (f" --precision {precision}" if precision != "bf16" else "")
+               + (f" --probe-rounds {probe_rounds}" if probe_rounds > 1 else ""))
     options = CalibrateOptions(out=Path(out), topology=topology, base=base, quick=quick,
-                               timeout_per_bench_s=timeout, command=command, framework=framework, precision=precision)
+                               timeout_per_bench_s=timeout, command=command, framework=framework, precision=precision,
+                               probe_rounds=probe_rounds)
     if fresh and options.cache_dir.is_dir():
         shutil.rmtree(options.cache_dir)
     return calibrate(options)

@@ -132,7 +132,10 @@ ATTENTION = {"megatron": "unfused", "deepspeed": "flash"}
 def probe_rank(info: Any, settings: dict[str, Any] | None = None) -> dict[str, Any]:
     """Rank side: every probe run, timed (median seconds of training steps and forward passes).
     ``settings["framework"]``: the registered trainer that trains them, ``"megatron"`` (default;
-    Megatron-Core) or ``"deepspeed"`` (DeepSpeed-MoE with Piper's layer)."""
+    Megatron-Core) or ``"deepspeed"`` (DeepSpeed-MoE with Piper's layer); ``settings["rounds"]``
+    (default 1): the whole list runs that many times in turn, and each run's figures are the
+    median over rounds of each round's median (a slow stretch of a shared machine then moves one
+    round of every probe run, not one probe run; each round's medians are kept in ``"rounds"``)."""
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -149,21 +152,27 @@ def probe_rank(info: Any, settings: dict[str, Any] | None = None) -> dict[str, A
     warmup = 2 if quick else 3
     steps = int(settings.get("steps", 5 if quick else 8))
     forward = int(settings.get("forward_steps", 3 if quick else 5))
-    out = []
+    rounds = int(settings.get("rounds", 1))
+    runs = [p for p in probes_for(framework) if not (p[4] and (info.world_size == 1 or p[1] % info.world_size))]
+    timed: list[list[tuple[float, float]]] = [[] for _ in runs]
     with tempfile.TemporaryDirectory(prefix="piper-probe-") as tmp:
-        for layers, experts, m, mbs, spread, wide in probes_for(framework):
-            if spread and (info.world_size == 1 or experts % info.world_size):
-                continue
-            plan = probe_plan(info.world_size, m, mbs, spread, ATTENTION[framework], precision)
-            base = PROBE_WIDE if wide else PROBE_MODEL
-            job = TrainJob(model=probe_model(layers, experts, base), plan=plan, steps=steps, warmup=warmup,
-                           forward_steps=forward, sync_grads=False)
-            r = train(job, Path(tmp))
-            out.append({"label": probe_label(layers, experts, m, mbs, spread, wide), "layers": layers, "experts": experts,
-                        "micro_batches": m, "micro_batch_size": mbs, "spread": spread,
-                        "base": {k: getattr(base, k) for k in FAMILY_FIELDS},
-                        "attention_backend": plan.attention_backend, "precision": precision,
-                        "step_s": statistics.median(r["step_s"][warmup:]), "forward_s": statistics.median(r["forward_s"])})
+        for _ in range(rounds):
+            for i, (layers, experts, m, mbs, spread, wide) in enumerate(runs):
+                plan = probe_plan(info.world_size, m, mbs, spread, ATTENTION[framework], precision)
+                base = PROBE_WIDE if wide else PROBE_MODEL
+                job = TrainJob(model=probe_model(layers, experts, base), plan=plan, steps=steps, warmup=warmup,
+                               forward_steps=forward, sync_grads=False)
+                r = train(job, Path(tmp))
+                timed[i].append((statistics.median(r["step_s"][warmup:]), statistics.median(r["forward_s"])))
+    out = []
+    for (layers, experts, m, mbs, spread, wide), medians in zip(runs, timed):
+        base = PROBE_WIDE if wide else PROBE_MODEL
+        out.append({"label": probe_label(layers, experts, m, mbs, spread, wide), "layers": layers, "experts": experts,
+                    "micro_batches": m, "micro_batch_size": mbs, "spread": spread,
+                    "base": {k: getattr(base, k) for k in FAMILY_FIELDS},
+                    "attention_backend": ATTENTION[framework], "precision": precision,
+                    "step_s": statistics.median(s for s, _ in medians), "forward_s": statistics.median(f for _, f in medians)}
+                   | ({"rounds": [[round(s, 6), round(f, 6)] for s, f in medians]} if rounds > 1 else {}))
     return {"rank": info.rank, "runs": out}
 
 

@@ -43,6 +43,7 @@ class CalibrateOptions:
     command: str = "piper calibrate"
     framework: str = "megatron"  # whose host overheads the probe fits: "megatron" or "deepspeed"
     precision: str = "bf16"  # the training precision the profile is for: bf16 or fp32 (GEMM curve, probe runs)
+    probe_rounds: int = 1  # how many times the host-overhead probe runs its list, in rounds (medians over them)
 
     @property
     def cache_dir(self) -> Path:
@@ -64,7 +65,8 @@ def default_steps(options: CalibrateOptions) -> tuple[list[Step], str | None]:
     """The steps for ``options`` and, when the host-overhead probe cannot run, why not."""
     why_not = overhead_probe_available(options.framework)
     steps = plan_steps(options.topology, quick=options.quick, timeout_s=options.timeout_per_bench_s,
-                       overhead_probe=why_not is None, framework=options.framework, precision=options.precision)
+                       overhead_probe=why_not is None, framework=options.framework, precision=options.precision,
+                       probe_rounds=options.probe_rounds)
     return steps, why_not
 
 

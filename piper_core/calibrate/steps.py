@@ -53,12 +53,14 @@ class Topology:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Step:
     """One benchmark launch: ``args`` are passed after the rank info to ``target``; ``weight`` is
-    its expected share of the run's time (for the ETA)."""
+    its expected share of the run's time (for the ETA); ``rounds``: how many times it runs its
+    measurements (its deadline is the run's per-benchmark deadline times this)."""
 
     name: str
     target: str
     args: tuple[Any, ...]
     weight: float = 1.0
+    rounds: int = 1
 
     def key(self, topology: Topology) -> str:
         text = json.dumps({"version": BENCH_VERSION, "name": self.name, "target": self.target, "args": self.args,
@@ -114,12 +116,13 @@ FRAMEWORKS = ("megatron", "deepspeed")
 
 
 def plan_steps(topology: Topology, *, quick: bool, timeout_s: float, overhead_probe: bool,
-               framework: str = "megatron", precision: str = "bf16") -> list[Step]:
+               framework: str = "megatron", precision: str = "bf16", probe_rounds: int = 1) -> list[Step]:
     """The benchmarks of a run, cheapest first. Collectives use ``timeout_s / 3`` as each
     operation's deadline (well inside the step's, so the failure names the operation).
     ``framework``: whose host overheads the probe fits (Megatron-Core or DeepSpeed-MoE);
     ``precision``: the training precision (the GEMM curve's, the element-wise kernels' and the
-    probe runs' dtype; bf16 steps keep the settings, so the cache keys, of earlier versions)."""
+    probe runs' dtype; bf16 steps keep the settings, so the cache keys, of earlier versions);
+    ``probe_rounds``: how many times the probe runs its whole list, in rounds (:func:`.probe.probe_rank`)."""
     dtype = {} if precision == "bf16" else {"dtype": precision}
     op_timeout = max(1.0, timeout_s / 3)
     base = {"timeout_s": op_timeout, "budget_s": 0.05 if quick else 0.2, "max_reps": 15 if quick else 31}
@@ -146,8 +149,9 @@ def plan_steps(topology: Topology, *, quick: bool, timeout_s: float, overhead_pr
         steps += [Step(name=f"p2p-{sc}", target=BENCH_TARGET, args=("p2p", check | {"scope": sc})) for sc in p2p_scopes]
     if overhead_probe:
         settings = {"quick": quick} | ({"framework": framework} if framework != "megatron" else {}) | \
-            ({"precision": precision} if precision != "bf16" else {})
-        steps.append(Step(name="overheads", target=PROBE_TARGET, args=(settings,), weight=4))
+            ({"precision": precision} if precision != "bf16" else {}) | ({"rounds": probe_rounds} if probe_rounds > 1 else {})
+        steps.append(Step(name="overheads", target=PROBE_TARGET, args=(settings,), weight=4 * probe_rounds,
+                          rounds=probe_rounds))
     return steps
 
 
@@ -187,7 +191,7 @@ def run_step(step: Step, topology: Topology, *, timeout_s: float, cache: Path | 
             pass  # a torn write from an interrupted run: measure again
     start = time.perf_counter()
     try:
-        results = _launch(topology, step, timeout_s)
+        results = _launch(topology, step, timeout_s * step.rounds)
     except (RankFailure, EmulationError, ValueError, OSError) as exc:
         return Outcome(name=step.name, status="failed", seconds=time.perf_counter() - start, error=_error_text(exc))
     seconds = time.perf_counter() - start

@@ -56,6 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                    help="the training precision the profile is for: the GEMM efficiency curve, the element-wise "
                         "kernels and the probe's training runs in it (fp32 on a CPU without bf16 instructions)")
+    p.add_argument("--probe-rounds", type=int, metavar="N",
+                   help="run the host-overhead probe's list N times, in rounds, and fit each probe run's median over "
+                        "them (default 1): on a shared machine a slow stretch then moves one round, not the fit")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--realtime", action="store_true",
                    help="run the ranks under SCHED_FIFO (root) so other processes on a shared machine do not "
@@ -107,6 +110,9 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
     if args.out.suffix not in (".yaml", ".yml"):
         raise SpecError("--out", str(args.out), "must be a YAML file (.yaml or .yml)", "write e.g. --out me.yaml")
     timeout = args.timeout_per_bench or (QUICK_TIMEOUT_S if args.quick else FULL_TIMEOUT_S)
+    rounds = 1 if args.probe_rounds is None else args.probe_rounds
+    if not 1 <= rounds <= 9:
+        raise SpecError("--probe-rounds", rounds, "must be a whole number from 1 to 9", "give e.g. --probe-rounds 3")
     if timeout <= 0:
         raise SpecError("--timeout-per-bench", timeout, "must be > 0", "give seconds, e.g. 60")
     load_cluster(args.base)  # fail now, not after the benchmarks
@@ -116,10 +122,10 @@ def options_from_args(args: argparse.Namespace, argv: list[str] | None = None) -
     command = "piper " + shlex.join(argv if argv is not None else sys.argv[1:])
     return CalibrateOptions(out=args.out, topology=topology_from_args(args), base=args.base, quick=args.quick,
                             cache=args.cache, timeout_per_bench_s=timeout, command=command, framework=args.framework,
-                            precision=args.precision)
+                            precision=args.precision, probe_rounds=rounds)
 
 
-MEASURING = ("ranks", "emulate", "inter_node_mbit", "quick", "cache", "timeout_per_bench", "realtime")
+MEASURING = ("ranks", "emulate", "inter_node_mbit", "quick", "cache", "timeout_per_bench", "realtime", "probe_rounds")
 
 
 def run_refit(args: argparse.Namespace) -> int:

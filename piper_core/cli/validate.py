@@ -47,8 +47,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def profiles_for(topologies: list[str], directory: Path, *, recalibrate: bool, quick: bool,
-                 realtime: bool = False) -> dict:
-    """The ClusterSpec of each topology: the profile in ``directory``, calibrated first if missing."""
+                 realtime: bool = False, probe_rounds: int = 1) -> dict:
+    """The ClusterSpec of each topology: the profile in ``directory``, calibrated first if missing
+    (its host-overhead probe in ``probe_rounds`` rounds)."""
     from piper_core.calibrate.api import calibrate_topology
     from piper_core.presets import load_cluster
 
@@ -56,8 +57,9 @@ def profiles_for(topologies: list[str], directory: Path, *, recalibrate: bool, q
     for topo in topologies:
         path = directory / f"{topo}.yaml"
         if recalibrate or not path.is_file():
-            print(f"piper: calibrating {topo} -> {path} (piper calibrate{' --quick' if quick else ''})", file=sys.stderr)
-            calibrate_topology(topo, path, quick=quick, realtime=realtime, fresh=recalibrate)
+            print(f"piper: calibrating {topo} -> {path} (piper calibrate{' --quick' if quick else ''}"
+                  f"{f' --probe-rounds {probe_rounds}' if probe_rounds > 1 else ''})", file=sys.stderr)
+            calibrate_topology(topo, path, quick=quick, realtime=realtime, fresh=recalibrate, probe_rounds=probe_rounds)
         out[topo] = load_cluster(str(path))
     return out
 
@@ -90,11 +92,11 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for topo in topologies:
         profiles = profiles_for([topo], args.profiles, recalibrate=args.recalibrate, quick=args.quick,
-                                realtime=args.realtime)
+                                realtime=args.realtime, probe_rounds=suite.rounds)
         mine = [c for c in cases if c.topology == topo]
-        rows += run_cases(mine, profiles, steps=steps, warmup=min(WARMUP, steps - 1), realtime=args.realtime,
-                          peak=not args.no_peak,
-                          progress=lambda i, n, done=len(rows): progress(done + i, len(cases)))
+        rows += run_cases(mine, profiles, steps=steps, warmup=min(WARMUP, steps - 1), rounds=suite.rounds,
+                          realtime=args.realtime, peak=not args.no_peak,
+                          progress=lambda i, n, done=len(rows), k=len(mine): progress(done + k * i / n, len(cases)))
     order = {c.name: i for i, c in enumerate(cases)}
     rows.sort(key=lambda r: order[r.case.name])
     v = verdict(rows, suite.subsets)

@@ -34,6 +34,14 @@ class Row:
     phases: dict[str, float]  # measured/predicted ms per step, rank 0
     losses: tuple[float, ...]
     peak: PeakRow | None = None  # peak tensor bytes per stage (piper_core.validate.peak), when measured
+    round_steps_s: tuple[float, ...] = ()  # each round's step median, in round order (measured_step_s: their median)
+
+    @property
+    def round_spread(self) -> float | None:
+        """The slowest round's step over the fastest's, minus 1 (None with fewer than 2 rounds)."""
+        if len(self.round_steps_s) < 2:
+            return None
+        return max(self.round_steps_s) / min(self.round_steps_s) - 1
 
     @property
     def step_error(self) -> float:
@@ -57,15 +65,20 @@ def _phases(case: Case, pred: Prediction, measured: dict[str, float]) -> dict[st
     return out
 
 
-def compare(case: Case, pred: Prediction, summary: dict[str, Any], *, warmup: int) -> Row:
-    measured_step = statistics.median(summary["step_s"][warmup:])
+def compare(case: Case, pred: Prediction, summaries: list[dict[str, Any]], *, warmup: int) -> Row:
+    """``case`` measured in ``summaries`` (one per round, :func:`~piper_core.validate.instrument.summary`)
+    against ``pred``. The step: the median over rounds of each round's median timed step; memory,
+    phases and losses: from the first round (the same seeded job each round)."""
+    rounds = tuple(statistics.median(s["step_s"][warmup:]) for s in summaries)
+    summary = summaries[0]
     stages = summary["stages"]
     measured_mem = tuple(s["param_bytes"] + s["activation_peak_bytes"] for s in stages)
     # what saved-tensor hooks measure: parameters and autograd's saved activations
     predicted_mem = tuple(s.weights + s.activations - s.unsaved for s in pred.stages)
-    return Row(case=case, measured_step_s=measured_step, predicted_step_s=pred.time.step,
+    return Row(case=case, measured_step_s=statistics.median(rounds), predicted_step_s=pred.time.step,
                measured_memory=measured_mem, predicted_memory=predicted_mem,
-               phases=_phases(case, pred, summary["moe_phases_ms_per_step"]), losses=tuple(summary["losses"]))
+               phases=_phases(case, pred, summary["moe_phases_ms_per_step"]), losses=tuple(summary["losses"]),
+               round_steps_s=rounds if len(rounds) > 1 else ())
 
 
 def figures(rows: list[Row]) -> dict[str, Any]:
@@ -128,7 +141,9 @@ def row_json(r: Row) -> dict[str, Any]:
             "model": r.case.model.name,
             "plan": plan_label(r.case.plan),
             "step_s": {"measured": round(r.measured_step_s, 5), "predicted": round(r.predicted_step_s, 5),
-                       "error": round(r.step_error, 4)},
+                       "error": round(r.step_error, 4)}
+            | ({"rounds": [round(t, 5) for t in r.round_steps_s], "round_spread": round(r.round_spread, 4)}
+               if r.round_steps_s else {}),
             "memory_bytes": {"measured": list(r.measured_memory), "predicted": list(r.predicted_memory),
                              "error": round(r.memory_error, 4)},
             "phases_ms_per_step": r.phases, "losses": list(r.losses),

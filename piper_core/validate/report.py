@@ -26,14 +26,19 @@ def _pct(x: float) -> str:
 
 
 def table(rows: Sequence[Row], verdict: dict[str, Any]) -> str:
+    rounds = max(len(r.round_steps_s) for r in rows)
     head = (f"{'case':<20} {'profile':<16} {'plan':<42} {'measured s':>10} {'predicted s':>11} {'error':>7} "
-            f"{'mem MiB meas/pred':>18} {'mem err':>7}")
+            f"{'mem MiB meas/pred':>18} {'mem err':>7}" + (f" {'round spread':>12}" if rounds else ""))
     lines = [head, "-" * len(head)]
     for r in rows:
         mem = f"{max(r.measured_memory) / 2**20:.1f}/{max(r.predicted_memory) / 2**20:.1f}"
+        spread = "" if not rounds else f" {'-' if r.round_spread is None else _pct(r.round_spread):>12}"
         lines.append(f"{r.case.name:<20} {r.case.topology:<16} {plan_label(r.case.plan, gbs=True):<42} "
                      f"{r.measured_step_s:>10.4f} {r.predicted_step_s:>11.4f} {_pct(r.step_error):>7} "
-                     f"{mem:>18} {_pct(r.memory_error):>7}")
+                     f"{mem:>18} {_pct(r.memory_error):>7}{spread}")
+    if rounds:
+        lines += ["", f"measured: the median over {rounds} interleaved rounds of each round's median step; round "
+                      "spread: slowest round over fastest"]
     v, lim = verdict, verdict["limits"]
     ok = {True: "ok", False: "FAIL"}
     lines += ["",
@@ -125,7 +130,7 @@ def rows_from_json(data: dict[str, Any]) -> tuple[list[Row], Suite]:
         rows.append(Row(case=known[r["case"]], measured_step_s=r["step_s"]["measured"],
                         predicted_step_s=r["step_s"]["predicted"], measured_memory=tuple(r["memory_bytes"]["measured"]),
                         predicted_memory=tuple(r["memory_bytes"]["predicted"]), phases=r.get("phases_ms_per_step", {}),
-                        losses=tuple(r.get("losses", ())),
+                        losses=tuple(r.get("losses", ())), round_steps_s=tuple(r["step_s"].get("rounds", ())),
                         peak=None if not r.get("peak_tensor_bytes") else peak_from_json(known[r["case"]], r["peak_tensor_bytes"])))
     return rows, suite
 

@@ -9,6 +9,7 @@ with Piper's MoE layer; local or emulated ranks).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from piper_core.resource.predict import predict
 from piper_core.specs.cluster import ClusterSpec
@@ -22,28 +23,51 @@ def run_case(case: Case, cluster: ClusterSpec, *, steps: int = STEPS, warmup: in
              timeout_s: float = 600.0, realtime: bool = False, peak: bool = True) -> Row:
     """The timed job of ``case``, then (``peak``) its memory job (:mod:`.peak`), both against the
     prediction from ``cluster``."""
-    import dataclasses
+    return _row(case, cluster, [_timed(case, steps, warmup, timeout_s, realtime)], warmup, timeout_s, peak)
 
+
+def _timed(case: Case, steps: int, warmup: int, timeout_s: float, realtime: bool) -> dict[str, Any]:
+    """One run of ``case``'s timed job: its :func:`~piper_core.validate.instrument.summary`."""
     from piper_core import trainers
     from piper_core.validate.instrument import TrainJob, summary
-    from piper_core.validate.peak import measure_peak
 
     job = TrainJob(model=case.model, plan=case.plan, steps=steps, warmup=warmup, stock=case.stock)
-    reports = trainers.get(case.framework).run(job, nodes=case.nodes, inter_node_mbit=case.inter_node_mbit,
-                                               timeout_s=timeout_s, realtime=realtime)
+    return summary(trainers.get(case.framework).run(job, nodes=case.nodes, inter_node_mbit=case.inter_node_mbit,
+                                                    timeout_s=timeout_s, realtime=realtime))
+
+
+def _row(case: Case, cluster: ClusterSpec, summaries: list[dict[str, Any]], warmup: int, timeout_s: float,
+         peak: bool) -> Row:
+    import dataclasses
+
+    from piper_core.validate.peak import measure_peak
+
     pred = predict(case.model, cluster, case.plan)
-    row = compare(case, pred, summary(reports), warmup=warmup)
+    row = compare(case, pred, summaries, warmup=warmup)
     return dataclasses.replace(row, peak=measure_peak(case, pred, timeout_s=timeout_s)) if peak else row
 
 
 def run_cases(cases: Sequence[Case], profiles: Mapping[str, ClusterSpec], *, steps: int = STEPS,
-              warmup: int = WARMUP, progress: Callable[[int, int], None] | None = None,
-              realtime: bool = False, peak: bool = True) -> list[Row]:
+              warmup: int = WARMUP, rounds: int = 1, progress: Callable[[int, int], None] | None = None,
+              realtime: bool = False, peak: bool = True, timeout_s: float = 600.0) -> list[Row]:
+    """Every case's row. With ``rounds`` > 1 each round runs every case's timed job once, in order, and a
+    case's measured step is the median over rounds (:func:`~piper_core.validate.compare.compare`);
+    its memory job runs once, after the last round."""
+    total = rounds * len(cases) + (len(cases) if peak else 0)
+    summaries: list[list[dict[str, Any]]] = [[] for _ in cases]
+    done = 0
+    for _ in range(rounds):
+        for i, case in enumerate(cases):
+            if progress:
+                progress(done, total)
+            summaries[i].append(_timed(case, steps, warmup, timeout_s, realtime))
+            done += 1
     rows = []
-    for i, case in enumerate(cases):
+    for case, runs in zip(cases, summaries):
         if progress:
-            progress(i, len(cases))
-        rows.append(run_case(case, profiles[case.topology], steps=steps, warmup=warmup, realtime=realtime, peak=peak))
+            progress(done, total)
+        rows.append(_row(case, profiles[case.topology], runs, warmup, timeout_s, peak))
+        done += 1 if peak else 0
     if progress:
-        progress(len(cases), len(cases))
+        progress(total, total)
     return rows

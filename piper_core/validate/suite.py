@@ -26,7 +26,8 @@ from piper_core.specs.yamlio import from_dict, to_dict
 
 SUITES = Path(__file__).with_name("suites")
 FRAMEWORKS = ("megatron", "deepspeed")
-TOP_KEYS = ("suite", "models", "models_from", "plan_defaults", "cases", "cases_from", "plan_overrides", "subsets")
+TOP_KEYS = ("suite", "models", "models_from", "plan_defaults", "cases", "cases_from", "plan_overrides", "subsets",
+            "rounds")
 CASE_KEYS = ("name", "group", "model", "model_overrides", "gpus", "plan", "nodes", "inter_node_mbit", "framework",
              "stock")
 WHERE_KEYS = ("framework", "ranks_per_node", "nodes", "topology", "family", "stock", "tp")
@@ -99,9 +100,14 @@ class Suite:
     models: dict[str, ModelSpec]
     cases: tuple[Case, ...]
     subsets: tuple[Subset, ...]
+    rounds: int = 1
+    """How many times each case's timed job runs, in rounds over its topology's cases (each round runs
+    every case once, in suite order), and each calibration's host-overhead probe runs its probe list:
+    a case's measured step is the median over rounds of each round's step median (``piper validate``).
+    A shared machine's speed drifts over minutes; one slow stretch then moves one round, not the case."""
 
-    def provenance(self) -> dict[str, str]:
-        return {"name": self.name, "path": str(self.path), "sha256": self.sha256}
+    def provenance(self) -> dict[str, Any]:
+        return {"name": self.name, "path": str(self.path), "sha256": self.sha256, "rounds": self.rounds}
 
 
 def suite_path(ref: str | Path) -> Path:
@@ -229,5 +235,9 @@ def load_suite(ref: str | Path = "full") -> Suite:
         if c.name in seen:
             raise SpecError("cases.name", c.name, "names a second case", "give every case its own name", where=where)
         seen.add(c.name)
+    rounds = data.get("rounds", 1)
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or not 1 <= rounds <= 9:
+        raise SpecError("rounds", rounds, "is a whole number of rounds from 1 to 9 (each case's timed job runs once "
+                        "per round)", "write e.g. rounds: 3, or leave it out for one round", where=where)
     return Suite(name=str(data.get("suite") or path.stem), path=path, sha256=hashlib.sha256(text.encode()).hexdigest(),
-                 models=models, cases=cases, subsets=subsets)
+                 models=models, cases=cases, subsets=subsets, rounds=rounds)

@@ -153,3 +153,27 @@ def test_recalibrating_measures_afresh(monkeypatch, tmp_path, fresh):
     monkeypatch.setattr(api, "calibrate", lambda options: seen.setdefault("cache_left", options.cache_dir.is_dir()))
     api.calibrate_topology("local-2", out, quick=True, fresh=fresh)
     assert seen["cache_left"] is (not fresh)
+
+
+def test_probe_rounds_reach_the_probe_scale_its_deadline_and_are_checked(monkeypatch, tmp_path, capsys):
+    """``--probe-rounds 3`` (and a suite's ``rounds``): the probe step asks its ranks for 3 rounds, its
+    deadline and ETA weight grow with them, and the profile's command says so; one round keeps the
+    settings, so the cache keys, of earlier runs. Out-of-range values are refused before anything runs."""
+    import piper_core.calibrate.api as api
+    from piper_core.calibrate.steps import Topology, plan_steps
+    from piper_core.cli.main import main
+
+    topo = Topology(nodes=1, ranks_per_node=2)
+    one, three = ([s for s in plan_steps(topo, quick=False, timeout_s=30, overhead_probe=True, probe_rounds=r)
+                   if s.name == "overheads"][0] for r in (1, 3))
+    assert one.args == ({"quick": False},) and one.rounds == 1
+    assert three.args == ({"quick": False, "rounds": 3},) and three.rounds == 3 and three.weight == 3 * one.weight
+    assert three.key(topo) != one.key(topo)
+    seen = {}
+    monkeypatch.setattr(api, "calibrate", lambda options: seen.setdefault("options", options))
+    api.calibrate_topology("local-2-fp32", tmp_path / "local-2-fp32.yaml", quick=False, probe_rounds=3)
+    assert seen["options"].probe_rounds == 3 and seen["options"].command.endswith("--precision fp32 --probe-rounds 3")
+    for bad in ("0", "10"):
+        assert main(["calibrate", "--out", str(tmp_path / "p.yaml"), "--probe-rounds", bad]) == 2
+        assert f"--probe-rounds={bad}: must be a whole number from 1 to 9" in capsys.readouterr().err
+    assert not (tmp_path / "p.yaml").exists()

@@ -60,6 +60,10 @@ def test_a_suite_loads_with_its_cases_models_and_subsets(tmp_path):
     (("{num_experts: 8}", "{num_expert: 8}"), r"model_overrides.num_expert=8"),
     (("gpus: 2, plan: {ep: 2,", "gpus: 2, stock: true, plan: {a2a: hierarchical, ep: 2,"),
      r"case 'a' stock=True: is true or false, and a stock case exchanges flat in one piece"),
+    (("suite: mine", "suite: mine\nrounds: 0"), r"rounds=0: is a whole number of rounds from 1 to 9"),
+    (("suite: mine", "suite: mine\nrounds: '3'"), r"rounds='3': is a whole number of rounds from 1 to 9"),
+    (("suite: mine", "suite: mine\nrounds: true"), r"rounds=True: is a whole number of rounds"),
+    (("suite: mine", "suite: mine\nrounds: 12"), r"rounds=12: .*write e.g. rounds: 3"),
 ])
 def test_bad_suites_are_refused_naming_the_key_value_and_fix(tmp_path, change, message):
     old, new = change
@@ -107,7 +111,7 @@ def test_a_results_file_records_commit_suite_and_profiles_and_reads_back(tmp_pat
     profile = tmp_path / "local-2.yaml"
     profile.write_text("x: 1\n")
     record = provenance(suite, {"local-2": profile})
-    assert record["suite"] == {"name": "quick", "path": str(SUITES / "quick.yaml"), "sha256": suite.sha256}
+    assert record["suite"] == {"name": "quick", "path": str(SUITES / "quick.yaml"), "sha256": suite.sha256, "rounds": 1}
     assert record["profiles"]["local-2"] == {"path": str(profile), "sha256": hashlib.sha256(b"x: 1\n").hexdigest()}
     assert len(record["source"]["commit"] or "") == 40 and isinstance(record["source"]["dirty"], bool)
     # the recorded validation results judged again under this rule: every one of the 16 runs
@@ -146,3 +150,43 @@ def test_measured_peaks_join_the_verdict_and_round_trip_through_json(tmp_path):
     rows, _ = rows_from_json(json.loads(json.dumps(data)))
     assert [r.peak for r in rows] == [good.peak, bad.peak]
     assert "peak tensor memory: mean |error| 6.5%, worst -10.0% on b (limit 5%): FAIL" in table(rows, v)
+
+
+def _summary(steps: list[float]) -> dict:
+    return {"step_s": steps, "stages": [{"param_bytes": 10, "activation_peak_bytes": 5}], "losses": [2.0, 1.9],
+            "moe_phases_ms_per_step": {}}
+
+
+def test_rounds_measure_each_case_in_turn_and_take_the_median_over_rounds(tmp_path, monkeypatch):
+    """``rounds: 3``: every case's timed job runs once per round, round after round (a, b, a, b, a, b:
+    not a, a, a), and a case's step is the median of the rounds' medians; each round's median and the
+    spread are recorded and read back from the JSON."""
+    from piper_core.presets import load_cluster
+    from piper_core.validate import run as run_mod
+    from piper_core.validate.compare import row_json
+
+    suite = load_suite(_write(tmp_path, "rounds: 3\n" + GOOD))
+    assert suite.rounds == 3 and load_suite(_write(tmp_path, GOOD)).rounds == 1
+    a, b = suite.cases
+    order = []
+    # each round of `a` is slower; the one outlier round of `b` does not move its median
+    times = {"a": iter([[9.0, 1.0, 1.0, 1.0], [9.0, 2.0, 2.0, 2.0], [9.0, 3.0, 3.0, 3.0]]),
+             "b": iter([[9.0, 1.0, 1.0, 1.0], [9.0, 5.0, 5.0, 5.0], [9.0, 1.2, 1.2, 1.2]])}
+
+    def timed(case, steps, warmup, timeout_s, realtime):
+        order.append(case.name)
+        return _summary(next(times[case.name]))
+
+    monkeypatch.setattr(run_mod, "_timed", timed)
+    cluster = load_cluster("cpu-local")
+    rows = run_mod.run_cases([a, b], {a.topology: cluster, b.topology: cluster}, steps=4, warmup=1, rounds=3,
+                             peak=False)
+    assert order == ["a", "b", "a", "b", "a", "b"]
+    ra, rb = rows
+    assert ra.measured_step_s == 2.0 and ra.round_steps_s == (1.0, 2.0, 3.0) and ra.round_spread == pytest.approx(2.0)
+    assert rb.measured_step_s == 1.2 and rb.round_spread == pytest.approx(4.0)
+    data = {"suite": {"path": str(tmp_path / "suite.yaml")}, "rows": [row_json(r) for r in rows]}
+    assert data["rows"][0]["step_s"]["rounds"] == [1.0, 2.0, 3.0]
+    back, _ = rows_from_json(json.loads(json.dumps(data)))
+    assert back[1].round_steps_s == (1.0, 5.0, 1.2) and back[1].measured_step_s == 1.2
+    assert "round spread" in table(back, verdict(back)) and "median over 3 interleaved rounds" in table(back, verdict(back))
