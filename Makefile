@@ -54,10 +54,11 @@ validate-fp32: install
 # (piper_core/validate/repeat.py; ~40 min per run on 2 cores, root, with the suite's 3 rounds). A run
 # that misses a limit (exit 1) still counts; any other failure stops. FIRST=N resumes a series at run
 # N (the runs before it are kept and counted). The one-round series of 2026-12-06 (suite without
-# rounds, commit 7f7f0d6) is kept in docs/validation/fp32/runs/ and repeat.json.
+# rounds, commit 7f7f0d6) is kept in docs/validation/fp32/runs/ and repeat.json; the first 3-round run
+# (c9d6dd9, before core_share) in docs/validation/fp32/rounds3/1.
 REPEATS ?= 3
 FIRST ?= 1
-SERIES ?= docs/validation/fp32/rounds3
+SERIES ?= docs/validation/fp32/rounds3-shared
 validate-fp32-repeat: install
 	for i in $$(seq $(FIRST) $(REPEATS)); do \
 	  $(PIPER) validate --suite full-fp32 $(REALTIME) --recalibrate --profiles $(SERIES)/$$i/profiles \

@@ -92,11 +92,13 @@ def assemble(options: CalibrateOptions, base: ClusterSpec, log: RunLog,
     topo = options.topology
     failures = {o.name: {"status": o.status, "error": o.error, "wall_s": round(o.seconds, 2)}
                 for o in log.outcomes if o.status != "ok"}
-    cluster, fits = fit_medians(medians, topo, base, _name(topo), probe_missing, failures, options.precision)
+    machine = _machine(log)
+    cluster, fits = fit_medians(medians, topo, base, _name(topo), probe_missing, failures, options.precision,
+                                cores=machine["cores"])
     benchmarks = {o.name: {"wall_s": round(o.seconds, 2), "cached": o.cached, "result": medians[o.name]}
                   for o in log.outcomes if o.status == "ok"}
     calibration = {
-        "machine": _machine(log), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "ranks": topo.world_size, "nodes": topo.nodes, "ranks_per_node": topo.ranks_per_node,
         "inter_node_mbit": topo.inter_node_mbit, "base": options.base, "command": options.command,
         "precision": options.precision,
@@ -106,11 +108,15 @@ def assemble(options: CalibrateOptions, base: ClusterSpec, log: RunLog,
 
 
 def fit_medians(medians: dict[str, Any], topo: Topology, base: ClusterSpec, name: str, probe_missing: str | None,
-                failures: dict[str, Any], precision: str = "bf16") -> tuple[ClusterSpec, dict[str, Any]]:
+                failures: dict[str, Any], precision: str = "bf16", cores: int | None = None) -> tuple[ClusterSpec, dict[str, Any]]:
     """Every fit from the benchmarks' medians (pure): the cluster named ``name`` and the fit report.
     ``failures`` (per benchmark) gains the overhead fit's failure, if any; ``precision``: the
-    training precision the profile is for."""
+    training precision the profile is for; ``cores``: the host's cores, which all of the run's ranks
+    shared (local and emulated nodes alike run on this host): ``core_share`` = cores / ranks, at most
+    1 (None: unknown, 1)."""
     acc, fits = fit_accelerator(medians, base.accelerator, precision)
+    if cores:
+        acc = dataclasses.replace(acc, core_share=min(1.0, cores / topo.world_size))
     cluster, links = fit_links(medians, topo, dataclasses.replace(base, accelerator=acc))
     fits["links"] = links
     fits["checks"] = check_collectives(medians, cluster)
@@ -149,7 +155,7 @@ def refit(source: Path, out: Path, command: str) -> Calibration:
     probe_missing = None if "overheads" in medians else (cal.get("failures") or {}).get("overheads", {}).get(
         "error") or "the profile has no host-overhead probe results"
     cluster, fits = fit_medians(medians, topo, base, old.cluster.name, probe_missing, failures,
-                                cal.get("precision", "bf16"))
+                                cal.get("precision", "bf16"), cores=(cal.get("machine") or {}).get("cores"))
     record = {**cal, "failures": failures, "fits": fits,
               "command": f"{command} (refit of: {cal['command']})"}
     write_profile(out, cluster, record)

@@ -58,6 +58,13 @@ class AcceleratorSpec:
     presets' planning value until a device calibration measures it. 0 where host and device are one
     (CPU ranks).
 
+    ``core_share``: the share of a core each rank runs on when every rank of the host is busy, where
+    ranks outnumber the cores (``piper calibrate`` writes cores / ranks: 0.5 for 4 CPU ranks on 2
+    cores); 1, a device per rank, in the GPU presets. The calibrated rates are those of a full host,
+    yet a rank that waits gives its core away: in a pipeline's fill and drain only some stages run,
+    at up to a full core each, so the bubble costs less than its calibrated time
+    (:func:`piper_core.timing.step.shared_cores`).
+
     ``grouped_gemm``: whether Megatron runs a plan's local experts as one grouped GEMM per expert
     linear by default here (``--moe-grouped-gemm``: ``TEGroupedMLP``/``GroupedMLP``, CUDA/ROCm
     kernels; the GPU presets, as Megatron-Bridge's MoE recipes set it) or one GEMM per expert
@@ -88,6 +95,7 @@ class AcceleratorSpec:
     backward_overhead_factor: float = 2.0
     microbatch_overhead_us: float = 0.0
     step_overhead_us: float = 0.0
+    core_share: float = 1.0
     grouped_gemm: bool = False
     kernels: Literal["cuda", "cpu"] = "cuda"
 
@@ -98,6 +106,7 @@ class AcceleratorSpec:
         for key in ("peak_tflops_bf16", "peak_tflops_fp16", "peak_tflops_fp32", "hbm_gib", "hbm_gb_per_s"):
             positive(f"accelerator.{key}", getattr(self, key))
         positive("accelerator.elementwise_gb_per_s", self.elementwise_gb_per_s, allow_none=True)
+        fraction("accelerator.core_share", self.core_share)
         fraction("accelerator.gemm_efficiency", self.gemm_efficiency)
         if isinstance(self.gemm_half_size, bool) or not 0.0 <= self.gemm_half_size < math.inf:
             raise SpecError("accelerator.gemm_half_size", self.gemm_half_size,

@@ -235,3 +235,48 @@ def test_each_moe_forward_pays_the_dispatch_sync_and_a_full_recompute_pays_it_ag
 def test_a_negative_sync_is_refused_naming_the_key():
     with pytest.raises(SpecError, match="accelerator.moe_sync_us"):
         dataclasses.replace(H100.accelerator, moe_sync_us=-1.0)
+
+
+def _shared(cluster, share):
+    return dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, core_share=share))
+
+
+def test_ranks_sharing_cores_run_the_pipeline_fill_and_drain_faster_but_no_rank_its_own_passes():
+    """``core_share`` < 1 (4 CPU ranks on 2 cores: 0.5): the schedule at the all-busy rates shrinks to
+    ``share`` of itself, never below the slowest rank's own passes; plans without a pipeline, and
+    every GPU preset (share 1), are priced as before; the search's fast path prices it the same way."""
+    from piper_core.timing.step import ExchangeVariants, shared_cores
+
+    assert shared_cores(11.0, 8, 1.0, 1.0) == 11.0
+    assert shared_cores(11.0, 8, 1.0, 0.5) == 8.0     # pp 4, 8 micro-batches: the own passes bound it
+    assert shared_cores(20.0, 4, 1.0, 0.5) == 10.0    # a long fill (slow sends): half of it
+    from piper_core.validate.cases import VAL_MODEL as model
+
+    half = _shared(CPU, 0.5)
+    pp4 = plan(model, gpus=4, pp=4, micro_batch_size=2, global_batch_size=16, distributed_optimizer=False)
+    full, shared = step_time(model, pp4, CPU), step_time(model, pp4, half)
+    m, slow = pp4.num_microbatches, max(s.total for s in full.stages)
+    assert full.bubble > 0 and shared.pipeline == pytest.approx(max(m * slow, 0.5 * full.pipeline))
+    assert shared.pipeline < full.pipeline and shared.bubble >= 0
+    flat = plan(model, gpus=4, ep=4, micro_batch_size=2, global_batch_size=16, distributed_optimizer=False)
+    assert step_time(model, flat, half).step == step_time(model, flat, CPU).step
+    for p in (pp4, flat):
+        assert ExchangeVariants(model, p, half).step(p) == pytest.approx(step_time(model, p, half, exact=False).step)
+    assert H100.accelerator.core_share == 1.0 and CPU.accelerator.core_share == 1.0
+    with pytest.raises(SpecError, match="accelerator.core_share"):
+        dataclasses.replace(CPU.accelerator, core_share=0.0)
+
+
+def test_calibration_writes_the_share_of_a_core_each_rank_had(tmp_path):
+    """The profile's ``core_share`` is the host's cores over the run's ranks (at most 1), from the
+    machine the calibration records; a refit of an older profile computes it the same way."""
+    from piper_core.calibrate.profile import read_profile
+    from piper_core.calibrate.run import refit
+
+    for cores, expect in ((2, 1.0), (1, 0.5)):  # the profile was measured on 2 ranks
+        src = tmp_path / f"src{cores}.yaml"
+        text = open("docs/e2e/profiles/megatron-2x1-50mbit.yaml").read()
+        src.write_text(re.sub(r"(\n    cores: )\d+", rf"\g<1>{cores}", text, count=1))
+        assert read_profile(src).calibration["machine"]["cores"] == cores and read_profile(src).calibration["ranks"] == 2
+        out = refit(src, tmp_path / f"out{cores}.yaml", "test")
+        assert out.cluster.accelerator.core_share == expect
