@@ -51,7 +51,7 @@ validate-fp32: install
 
 # Repeatability: the fp32 suite run REPEATS times (default 3), each from its own fresh calibration,
 # every run recorded (SERIES/N/), then the headline's range and each case's spread
-# (piper_core/validate/repeat.py; ~40 min per run on 2 cores, root, with the suite's 3 rounds). A run
+# (piper_core/validate/repeat.py; ~33 min per run on 2 cores, root, with the suite's 3 rounds). A run
 # that misses a limit (exit 1) still counts; any other failure stops. FIRST=N resumes a series at run
 # N (the runs before it are kept and counted). The one-round series of 2026-12-06 (suite without
 # rounds, commit 7f7f0d6) is kept in docs/validation/fp32/runs/ and repeat.json; the first 3-round run

@@ -2,6 +2,10 @@
 
 ``python -m piper_core.validate.report RESULTS.json`` prints the table and verdict of a recorded run
 again (its rows, judged by this version's rule: every run in the headline, the suite's subsets beside).
+``--repredict`` replaces each recorded prediction with this version's: each profile the run predicted
+from is fitted again from the medians it stores (``piper calibrate --refit``, nothing measured) and
+each case predicted from it. The measurements stay the run's: it shows what a model change would
+have predicted for runs already made (a development check, labelled as such, never a new run).
 """
 
 from __future__ import annotations
@@ -141,10 +145,30 @@ def peak_rows_from_json(data: dict[str, Any]) -> list[PeakRow]:
     return [peak_from_json(known[r["case"]], r) for r in data["peak_rows"]]
 
 
+def repredicted(rows: list[Row], data: dict[str, Any]) -> list[Row]:
+    """``rows`` with each prediction made again by this version: from the profile each row's topology
+    was predicted from (``data["profiles"]``), fitted again from its stored medians."""
+    import dataclasses
+    import tempfile
+
+    from piper_core.calibrate.run import refit
+    from piper_core.resource.predict import predict
+
+    clusters = {}
+    with tempfile.TemporaryDirectory(prefix="piper-repredict-") as tmp:
+        for topo, rec in data["profiles"].items():
+            clusters[topo] = refit(Path(rec["path"]), Path(tmp) / f"{topo}.yaml", "validate.report --repredict").cluster
+    return [dataclasses.replace(r, predicted_step_s=predict(r.case.model, clusters[r.case.topology], r.case.plan).time.step)
+            for r in rows]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m piper_core.validate.report", description=__doc__.split("\n\n")[1])
     p.add_argument("results", type=Path, help="a results JSON written by piper validate --json")
     p.add_argument("--plot", type=Path, metavar="DIR", help="also write DIR/validation_scatter.png")
+    p.add_argument("--repredict", action="store_true",
+                   help="predict every row again with this version's model, from its profile refitted with this "
+                        "version's fits (the measurements stay the run's)")
     a = p.parse_args(argv)
     data = json.loads(a.results.read_text())
     if "peak_rows" in data:  # piper validate --peak-only
@@ -152,6 +176,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         + subset_lines(data.get("peak_subsets", {}))))
         return 0
     rows, suite = rows_from_json(data)
+    if a.repredict:
+        rows = repredicted(rows, data)
+        print(f"re-predicted by this version from the run's profiles, refitted (not a run of this version; "
+              f"measured at {data.get('source', {}).get('commit') or 'an unrecorded commit'}):")
     v = verdict(rows, suite.subsets)
     print(table(rows, v))
     if a.plot:

@@ -190,3 +190,25 @@ def test_rounds_measure_each_case_in_turn_and_take_the_median_over_rounds(tmp_pa
     back, _ = rows_from_json(json.loads(json.dumps(data)))
     assert back[1].round_steps_s == (1.0, 5.0, 1.2) and back[1].measured_step_s == 1.2
     assert "round spread" in table(back, verdict(back)) and "median over 3 interleaved rounds" in table(back, verdict(back))
+
+
+def test_a_recorded_run_is_predicted_again_by_this_version_from_its_refitted_profiles(capsys):
+    """``--repredict``: the measurements stay the run's, every prediction is this version's from the
+    run's own profiles fitted again (4 ranks on this 2-core host: core_share 0.5), and the output says
+    it is not a run of this version."""
+    from piper_core.validate.report import repredicted
+
+    path = ROOT / "docs/validation/fp32/rounds3/1/results.json"
+    data = json.loads(path.read_text())
+    rows, _ = rows_from_json(data)
+    again = repredicted(rows, data)
+    assert [r.measured_step_s for r in again] == [r.measured_step_s for r in rows]
+    by_name = {r.case.name: (old, r) for old, r in zip(rows, again)}
+    old, new = by_name["4r-pp4"]
+    assert new.predicted_step_s < 0.8 * old.predicted_step_s  # recorded before core_share: the bubble at full price
+    old, new = by_name["4r-ep4-mbs2"]  # no pipeline: the shared cores change nothing
+    assert new.predicted_step_s == pytest.approx(old.predicted_step_s, rel=1e-3)
+    assert report_main([str(path), "--repredict"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("re-predicted by this version from the run's profiles, refitted (not a run of this version; "
+                          f"measured at {data['source']['commit']}")
