@@ -141,13 +141,14 @@ def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: 
     """
     per_chunk = _chunk_activations(model, plan, chunks, kernels)
     in_flight = in_flight_chunks(plan, rank)
+    embedding = activations.embedding_activation_bytes(model, plan, kernels=kernels) if rank == 0 else 0
+    output = activations.output_activation_bytes(model, plan, kernels=kernels) if rank == plan.pp - 1 else 0
     out = []
     for per_mb, transient in per_chunk:
         held = in_flight * per_mb / len(chunks)
         if rank == 0:
-            held += in_flight / len(chunks) * activations.embedding_activation_bytes(model, plan, kernels=kernels)
+            held += in_flight / len(chunks) * embedding
         if rank == plan.pp - 1:
-            output = activations.output_activation_bytes(model, plan, kernels=kernels)
             if plan.vpp is None:
                 # without interleaving the last stage runs a micro-batch's backward right after its
                 # forward, and the loss and output layer's backward free what they kept before the
