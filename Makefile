@@ -55,10 +55,11 @@ validate-fp32: install
 # that misses a limit (exit 1) still counts; any other failure stops. FIRST=N resumes a series at run
 # N (the runs before it are kept and counted). The one-round series of 2026-12-06 (suite without
 # rounds, commit 7f7f0d6) is kept in docs/validation/fp32/runs/ and repeat.json; the first 3-round run
-# (c9d6dd9, before core_share) in docs/validation/fp32/rounds3/1.
+# (c9d6dd9, before core_share) in docs/validation/fp32/rounds3/1; the 3-round runs with the probe
+# before the cases (9b64340 and earlier) in docs/validation/fp32/rounds3-shared.
 REPEATS ?= 3
 FIRST ?= 1
-SERIES ?= docs/validation/fp32/rounds3-shared
+SERIES ?= docs/validation/fp32/rounds3-interleaved
 validate-fp32-repeat: install
 	for i in $$(seq $(FIRST) $(REPEATS)); do \
 	  $(PIPER) validate --suite full-fp32 $(REALTIME) --recalibrate --profiles $(SERIES)/$$i/profiles \

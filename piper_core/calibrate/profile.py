@@ -39,7 +39,8 @@ from piper_core.specs.yamlio import from_dict, to_dict
 
 TOP_KEYS = ("cluster", "calibration")
 REQUIRED = ("machine", "date", "ranks", "nodes", "command", "benchmarks", "fits")
-CALIBRATION_KEYS = REQUIRED + ("ranks_per_node", "inter_node_mbit", "base", "failures", "precision")
+CALIBRATION_KEYS = REQUIRED + ("ranks_per_node", "inter_node_mbit", "base", "failures", "precision",
+                                "probe_interleaved")
 HEADER = "# Piper calibration profile, written by `piper calibrate`; use it with --profile (or as a cluster YAML).\n"
 
 

@@ -132,11 +132,13 @@ def recorded_topology(cal: dict[str, Any]) -> Topology:
     return Topology(nodes=nodes, ranks_per_node=per_node, inter_node_mbit=mbit, emulated=mbit is not None)
 
 
-def refit(source: Path, out: Path, command: str) -> Calibration:
+def refit(source: Path, out: Path, command: str, *, overheads: dict[str, Any] | None = None,
+          note: dict[str, Any] | None = None) -> Calibration:
     """Fit the profile at ``source`` again from the medians it stores, with this version's fits, and
     write it to ``out``: nothing is measured (after a Piper upgrade that changes a fit, old
     calibrations need not be re-run). The record keeps the machine, date and benchmarks, and says
-    where it came from (``refit``)."""
+    where it came from (``refit``). ``overheads``: host-overhead probe results measured since
+    (:mod:`.interleave`) in place of the stored ones; ``note``: keys added to the record."""
     from piper_core.calibrate.profile import read_profile
 
     old = read_profile(source)
@@ -145,6 +147,10 @@ def refit(source: Path, out: Path, command: str) -> Calibration:
         raise SpecError("--out", str(out), "must be a YAML file (.yaml or .yml)", "write e.g. --out refit.yaml")
     try:
         medians = {name: b["result"] for name, b in cal["benchmarks"].items()}
+        if overheads is not None:
+            medians["overheads"] = overheads
+            cal = {**cal, "benchmarks": {**cal["benchmarks"],
+                                         "overheads": {**cal["benchmarks"].get("overheads", {}), "result": overheads}}}
     except (AttributeError, KeyError, TypeError) as exc:
         raise SpecError("calibration.benchmarks", type(cal["benchmarks"]).__name__,
                         "must map each benchmark to its record with its 'result' (the medians)",
@@ -157,7 +163,7 @@ def refit(source: Path, out: Path, command: str) -> Calibration:
     cluster, fits = fit_medians(medians, topo, base, old.cluster.name, probe_missing, failures,
                                 cal.get("precision", "bf16"), cores=(cal.get("machine") or {}).get("cores"))
     record = {**cal, "failures": failures, "fits": fits,
-              "command": f"{command} (refit of: {cal['command']})"}
+              "command": f"{command} (refit of: {cal['command']})", **(note or {})}
     write_profile(out, cluster, record)
     return Calibration(cluster=cluster, calibration=record, outcomes=(), path=out)
 

@@ -65,6 +65,7 @@ def profiles_for(topologies: list[str], directory: Path, *, recalibrate: bool, q
 
 
 def run(args: argparse.Namespace) -> int:
+    from piper_core.calibrate.interleave import ProbeRounds
     from piper_core.cli.progress import Progress
     from piper_core.export import plan_label
     from piper_core.validate.cases import select, suite_for
@@ -89,13 +90,20 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress("piper validate")
     # one topology at a time, its calibration right before its cases: a shared machine's speed
     # drifts over minutes, and the profile should describe the machine the cases meet
+    # with ``probe: interleaved`` the calibration probes once and each later round of the cases
+    # runs one more probe round first; the profile is refitted from all of them after the last
     rows = []
+    interleaved = suite.probe == "interleaved"
     for topo in topologies:
+        fresh = args.recalibrate or not (args.profiles / f"{topo}.yaml").is_file()
         profiles = profiles_for([topo], args.profiles, recalibrate=args.recalibrate, quick=args.quick,
-                                realtime=args.realtime, probe_rounds=suite.rounds)
+                                realtime=args.realtime, probe_rounds=1 if interleaved else suite.rounds)
+        probe = ProbeRounds(topo, args.profiles / f"{topo}.yaml", fresh=fresh, realtime=args.realtime,
+                            quick=args.quick) if interleaved else None
         mine = [c for c in cases if c.topology == topo]
-        rows += run_cases(mine, profiles, steps=steps, warmup=min(WARMUP, steps - 1), rounds=suite.rounds,
-                          realtime=args.realtime, peak=not args.no_peak,
+        rows += run_cases(mine, probe.profiles if probe else profiles, steps=steps, warmup=min(WARMUP, steps - 1),
+                          rounds=suite.rounds, realtime=args.realtime, peak=not args.no_peak,
+                          before_round=probe.before_round if probe else None,
                           progress=lambda i, n, done=len(rows), k=len(mine): progress(done + k * i / n, len(cases)))
     order = {c.name: i for i, c in enumerate(cases)}
     rows.sort(key=lambda r: order[r.case.name])

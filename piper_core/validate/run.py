@@ -47,26 +47,32 @@ def _row(case: Case, cluster: ClusterSpec, summaries: list[dict[str, Any]], warm
     return dataclasses.replace(row, peak=measure_peak(case, pred, timeout_s=timeout_s)) if peak else row
 
 
-def run_cases(cases: Sequence[Case], profiles: Mapping[str, ClusterSpec], *, steps: int = STEPS,
-              warmup: int = WARMUP, rounds: int = 1, progress: Callable[[int, int], None] | None = None,
-              realtime: bool = False, peak: bool = True, timeout_s: float = 600.0) -> list[Row]:
+def run_cases(cases: Sequence[Case], profiles: Mapping[str, ClusterSpec] | Callable[[], Mapping[str, ClusterSpec]], *,
+              steps: int = STEPS, warmup: int = WARMUP, rounds: int = 1,
+              progress: Callable[[int, int], None] | None = None, realtime: bool = False, peak: bool = True,
+              timeout_s: float = 600.0, before_round: Callable[[int], None] | None = None) -> list[Row]:
     """Every case's row. With ``rounds`` > 1 each round runs every case's timed job once, in order, and a
     case's measured step is the median over rounds (:func:`~piper_core.validate.compare.compare`);
-    its memory job runs once, after the last round."""
+    its memory job runs once, after the last round. ``before_round(r)`` runs before round ``r``
+    (0-based; the interleaved probe); ``profiles`` may be a function, called after the last round
+    (the profiles that probe refitted)."""
     total = rounds * len(cases) + (len(cases) if peak else 0)
     summaries: list[list[dict[str, Any]]] = [[] for _ in cases]
     done = 0
-    for _ in range(rounds):
+    for r in range(rounds):
+        if before_round is not None:
+            before_round(r)
         for i, case in enumerate(cases):
             if progress:
                 progress(done, total)
             summaries[i].append(_timed(case, steps, warmup, timeout_s, realtime))
             done += 1
+    clusters = profiles() if callable(profiles) else profiles
     rows = []
     for case, runs in zip(cases, summaries):
         if progress:
             progress(done, total)
-        rows.append(_row(case, profiles[case.topology], runs, warmup, timeout_s, peak))
+        rows.append(_row(case, clusters[case.topology], runs, warmup, timeout_s, peak))
         done += 1 if peak else 0
     if progress:
         progress(total, total)

@@ -27,7 +27,8 @@ from piper_core.specs.yamlio import from_dict, to_dict
 SUITES = Path(__file__).with_name("suites")
 FRAMEWORKS = ("megatron", "deepspeed")
 TOP_KEYS = ("suite", "models", "models_from", "plan_defaults", "cases", "cases_from", "plan_overrides", "subsets",
-            "rounds")
+            "rounds", "probe")
+PROBE_MODES = ("before", "interleaved")
 CASE_KEYS = ("name", "group", "model", "model_overrides", "gpus", "plan", "nodes", "inter_node_mbit", "framework",
              "stock")
 WHERE_KEYS = ("framework", "ranks_per_node", "nodes", "topology", "family", "stock", "tp")
@@ -105,9 +106,14 @@ class Suite:
     every case once, in suite order), and each calibration's host-overhead probe runs its probe list:
     a case's measured step is the median over rounds of each round's step median (``piper validate``).
     A shared machine's speed drifts over minutes; one slow stretch then moves one round, not the case."""
+    probe: str = "before"
+    """When each profile's host-overhead probe runs: ``before`` (all its rounds in the calibration,
+    before the topology's cases) or ``interleaved`` (one round in the calibration, then one right
+    before each later round of the cases; :mod:`piper_core.calibrate.interleave`)."""
 
     def provenance(self) -> dict[str, Any]:
-        return {"name": self.name, "path": str(self.path), "sha256": self.sha256, "rounds": self.rounds}
+        return {"name": self.name, "path": str(self.path), "sha256": self.sha256, "rounds": self.rounds,
+                "probe": self.probe}
 
 
 def suite_path(ref: str | Path) -> Path:
@@ -239,5 +245,10 @@ def load_suite(ref: str | Path = "full") -> Suite:
     if not isinstance(rounds, int) or isinstance(rounds, bool) or not 1 <= rounds <= 9:
         raise SpecError("rounds", rounds, "is a whole number of rounds from 1 to 9 (each case's timed job runs once "
                         "per round)", "write e.g. rounds: 3, or leave it out for one round", where=where)
+    probe = data.get("probe", "before")
+    if probe not in PROBE_MODES:
+        raise SpecError("probe", probe, f"is when the host-overhead probe runs: one of {', '.join(PROBE_MODES)}",
+                        "write probe: interleaved (one probe round before each round of cases), or leave it out",
+                        where=where)
     return Suite(name=str(data.get("suite") or path.stem), path=path, sha256=hashlib.sha256(text.encode()).hexdigest(),
-                 models=models, cases=cases, subsets=subsets, rounds=rounds)
+                 models=models, cases=cases, subsets=subsets, rounds=rounds, probe=probe)

@@ -111,7 +111,8 @@ def test_a_results_file_records_commit_suite_and_profiles_and_reads_back(tmp_pat
     profile = tmp_path / "local-2.yaml"
     profile.write_text("x: 1\n")
     record = provenance(suite, {"local-2": profile})
-    assert record["suite"] == {"name": "quick", "path": str(SUITES / "quick.yaml"), "sha256": suite.sha256, "rounds": 1}
+    assert record["suite"] == {"name": "quick", "path": str(SUITES / "quick.yaml"), "sha256": suite.sha256, "rounds": 1,
+                               "probe": "before"}
     assert record["profiles"]["local-2"] == {"path": str(profile), "sha256": hashlib.sha256(b"x: 1\n").hexdigest()}
     assert len(record["source"]["commit"] or "") == 40 and isinstance(record["source"]["dirty"], bool)
     # the recorded validation results judged again under this rule: every one of the 16 runs
