@@ -56,17 +56,19 @@ def run_cases(cases: Sequence[Case], profiles: Mapping[str, ClusterSpec] | Calla
     its memory job runs once, after the last round. ``before_round(r)`` runs before round ``r``
     (0-based; the interleaved probe); ``profiles`` may be a function, called after the last round
     (the profiles that probe refitted)."""
+    from piper_core.validate.rounds import in_rounds
+
     total = rounds * len(cases) + (len(cases) if peak else 0)
-    summaries: list[list[dict[str, Any]]] = [[] for _ in cases]
     done = 0
-    for r in range(rounds):
-        if before_round is not None:
-            before_round(r)
-        for i, case in enumerate(cases):
-            if progress:
-                progress(done, total)
-            summaries[i].append(_timed(case, steps, warmup, timeout_s, realtime))
-            done += 1
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total)
+
+    summaries, _ = in_rounds(len(cases), rounds, lambda i: _timed(cases[i], steps, warmup, timeout_s, realtime),
+                             before_round=before_round, tick=tick)
     clusters = profiles() if callable(profiles) else profiles
     rows = []
     for case, runs in zip(cases, summaries):

@@ -158,28 +158,22 @@ def run_job(job: Job, cluster: ClusterSpec, *, top: int = TOP, draws: int = RAND
 
     from piper_core.export import plan_label
     from piper_core.specs.yamlio import to_dict
+    from piper_core.validate.rounds import in_rounds
 
     t = job.template
     result = search(t.model, cluster, t.plan.gpus, t.plan.global_batch_size, space=trainer_space(t, cluster),
                     attention_backend=t.plan.attention_backend)
     chosen = choose(job, result, top=top, draws=draws, seed=seed)
     runs = [{"kind": kind, "plan": plan_label(s.plan), "plan_fields": to_dict(s.plan)} for kind, s in chosen]
-    measured: list[list[float]] = [[] for _ in chosen]
-    predicted: list[float] = [0.0] * len(chosen)
-    for r in range(repeats):
-        for i in [(k + r) % len(chosen) for k in range(len(chosen))]:
-            kind, scored = chosen[i]
-            if "failure" not in runs[i]:
-                try:
-                    row = train(job.case(scored.plan, kind), cluster)
-                except Exception as exc:  # reported and counted (the verdict fails), never dropped
-                    runs[i]["failure"] = f"{type(exc).__name__}: {exc}"[:500]
-                else:
-                    measured[i].append(row.measured_step_s)
-                    predicted[i] = row.predicted_step_s
-            progress()
-    for entry, steps, pred in zip(runs, measured, predicted):
+    # every plan once per round, the order rotated by the round; a plan that fails is reported and
+    # counted (the verdict fails), never dropped, and not run again
+    trained, failed = in_rounds(len(chosen), repeats, lambda i: train(job.case(chosen[i][1].plan, chosen[i][0]), cluster),
+                                rotate=True, keep_going=True, tick=progress)
+    for i, why in failed.items():
+        runs[i]["failure"] = why
+    for entry, rows in zip(runs, trained):
         if "failure" not in entry:
+            steps, pred = [row.measured_step_s for row in rows], rows[-1].predicted_step_s
             median = statistics.median(steps)
             entry |= {"predicted_s": round(pred, 5), "measured_s": round(median, 5),
                       "measured_runs_s": [round(x, 5) for x in steps], "step_error": round((pred - median) / median, 4)}
