@@ -66,6 +66,10 @@ def ds_config(job: TrainJob) -> dict[str, Any]:
         raise SpecError("attention_backend", plan.attention_backend, "Piper's DeepSpeed builder runs torch's "
                         "scaled_dot_product_attention, which keeps no score matrix: the model prices it as flash",
                         "set attention_backend=flash in the plan")
+    if plan.distributed_optimizer:
+        raise SpecError("distributed_optimizer", True, "the DeepSpeed trainer runs ZeRO stage 0 (ZeRO 1/2 on CPU "
+                        "ranks is not measured)", "set dist_opt=false, or validate the distributed optimizer with "
+                        "the Megatron-Core trainer")
     if plan.precision not in ("bf16", "fp32"):
         raise SpecError("precision", plan.precision, "the DeepSpeed trainer runs bf16 mixed precision and fp32 "
                         "training; fp16 needs DeepSpeed's loss scaling, which Piper does not model",

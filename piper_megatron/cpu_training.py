@@ -195,6 +195,27 @@ def _stand_in_for_triton_kernels() -> None:
     sys.modules[_TRITON_KERNELS] = stand_in
 
 
+def install_core_optimizer_shims() -> None:
+    """:func:`piper_megatron.cpu.install_cpu_training_shims` plus Megatron-Core's own optimizers
+    (``get_megatron_optimizer``: the distributed optimizer, clipping, the grad scaler, and the grad norm
+    of ``megatron.core.utils`` that the chained optimizer takes at every step) on the host:
+    the Megatron-Core half of :func:`install_megatron_lm_cpu_shims`, for trainers that run
+    Megatron-Core without ``megatron.training`` (:mod:`piper_megatron.train`); idempotent."""
+    install_cpu_training_shims()
+    optimizer = "megatron.core.optimizer."
+    _rebind_torch({k: v for k, v in _HOST_MODULES.items() if k.startswith(optimizer) or k == "megatron.core.utils"},
+                  _host_core_torch)
+    for module_name, path in _HOST_TENSOR_CALLS:
+        if module_name.startswith(optimizer):
+            _wrap_core(module_name, path)
+
+
+def _wrap_core(module_name: str, path: str) -> None:
+    wrapped = _wrap_with_host_tensors(module_name, path)
+    if path == "clip_grad_by_total_norm_fp32":  # optimizer.py imported the name
+        importlib.import_module("megatron.core.optimizer.optimizer").clip_grad_by_total_norm_fp32 = wrapped
+
+
 def install_megatron_lm_cpu_shims() -> None:
     """:func:`piper_megatron.cpu.install_cpu_training_shims` plus ``megatron.training`` (see the
     module docstring); idempotent. Raises ModuleNotFoundError when ``megatron.training`` is not
@@ -207,9 +228,7 @@ def install_megatron_lm_cpu_shims() -> None:
     initialize._compile_dependencies = _compile_dependencies
     initialize._warmup_jit_function = lambda: None  # warms CUDA fusions with device='cuda' tensors
     for module_name, path in _HOST_TENSOR_CALLS:
-        wrapped = _wrap_with_host_tensors(module_name, path)
-        if path == "clip_grad_by_total_norm_fp32":  # optimizer.py imported the name
-            importlib.import_module("megatron.core.optimizer.optimizer").clip_grad_by_total_norm_fp32 = wrapped
+        _wrap_core(module_name, path)
 
 
-__all__ = ["install_megatron_lm_cpu_shims"]
+__all__ = ["install_core_optimizer_shims", "install_megatron_lm_cpu_shims"]

@@ -97,6 +97,27 @@ class FP32Adam:
             p.grad = None
 
 
+def megatron_distributed_optimizer(ddps: list[Any], plan: ParallelPlan, *, lr: float) -> Any:
+    """Megatron-Core's own ``DistributedOptimizer`` (``get_megatron_optimizer`` with
+    ``use_distributed_optimizer``; torch's Adam where neither Transformer Engine nor Apex is
+    installed), on the host (:func:`piper_megatron.cpu_training.install_core_optimizer_shims`): the
+    optimizer state and fp32 main parameters sharded over the data-parallel ranks (experts' over
+    the expert data-parallel ranks), gradients reduce-scattered, parameters all-gathered after the
+    step. No weight decay and no clipping, as the host Adam of the other plans."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from piper_megatron.cpu_training import install_core_optimizer_shims
+
+    import torch
+
+    check_precision(plan)
+    install_core_optimizer_shims()
+    config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=0.0, bf16=plan.precision == "bf16",
+                             params_dtype=torch.bfloat16 if plan.precision == "bf16" else torch.float32,
+                             use_distributed_optimizer=True)
+    return get_megatron_optimizer(config, ddps)
+
+
 def host_optimizer(params: list[Any], plan: ParallelPlan, *, lr: float) -> MixedPrecisionAdam | FP32Adam:
     """The Adam ``get_megatron_optimizer`` builds for ``plan.precision`` (non-distributed), on the host."""
     check_precision(plan)
@@ -167,14 +188,16 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path, tensors: Any
         # chunk as megatron.training builds them (get_model: bucketing only in the first chunk; the
         # schedule's config is the first chunk's, with one no_sync / grad_sync function per chunk)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=_grad_reduce_in_fp32(plan),
-                                                   overlap_grad_reduce=job.sync_grads)
+                                                   overlap_grad_reduce=job.sync_grads,
+                                                   use_distributed_optimizer=plan.distributed_optimizer)
         ddps = [DistributedDataParallel(c.config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
         gpt.config.finalize_model_grads_func = finalize_model_grads if job.sync_grads else None
         no_sync = [d.no_sync for d in ddps]
         gpt.config.no_sync_func = no_sync if len(ddps) > 1 else no_sync[0]
         if len(ddps) > 1 and job.sync_grads:
             gpt.config.grad_sync_func = [d.start_grad_sync for d in ddps]
-        optimizer = host_optimizer([p for d in ddps for p in d.parameters()], plan, lr=job.lr)
+        optimizer = megatron_distributed_optimizer(ddps, plan, lr=job.lr) if plan.distributed_optimizer else \
+            host_optimizer([p for d in ddps for p in d.parameters()], plan, lr=job.lr)
         s, mbs, m = model.seq_length, plan.micro_batch_size, plan.num_microbatches
         g = torch.Generator().manual_seed(job.seed + parallel_state.get_data_parallel_rank())
         batches = [torch.randint(0, model.vocab_size, (mbs, s + 1), generator=g) for _ in range(m)]
@@ -246,6 +269,7 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path, tensors: Any
                 "params": params, "param_bytes": sum(p.numel() * p.element_size() for p in weights),
                 "activation_peak_bytes": peak, "moe_phases_ms_per_step": per_step,
                 # Megatron's global memory buffer (unfused attention's baddbmm input): activations.workspace_bytes
+                "optimizer": [type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])],
                 "workspace_bytes": sum(t.untyped_storage().nbytes()
                                        for t in parallel_state.get_global_memory_buffer().buffer.values()),
                 **({} if tensors is None else {"peak_tensor_bytes": tensors.peak, "state_tensor_bytes": state})}

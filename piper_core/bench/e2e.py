@@ -123,7 +123,8 @@ class Case:
 
 def base_plan(case: Case) -> ParallelPlan:
     """The plan every variant of ``case`` shares: ep = world (every rank holds its experts), bf16,
-    no distributed optimizer (the CPU trainers' limits, piper_core.validate.instrument.TrainJob);
+    no distributed optimizer (DeepSpeed's CPU trainer runs ZeRO 0; Megatron-Core's has run Megatron's
+    distributed optimizer since 2026-12-06, after the recorded runs, which stay comparable without it);
     Megatron's CPU path runs unfused attention, Piper's DeepSpeed model torch's SDPA (priced as flash)."""
     return ParallelPlan(gpus=case.world, ep=case.world, micro_batch_size=case.load.micro_batch,
                         global_batch_size=case.load.micro_batch * case.load.micro_batches * case.world, distributed_optimizer=False,

@@ -70,10 +70,11 @@ def jobs_of(suite: Suite) -> tuple[Job, ...]:
 
 
 def trainer_space(case: Case, cluster: ClusterSpec) -> SearchSpace:
-    """The plans the CPU trainer of ``case``'s framework runs for its job: no cp, no distributed
-    optimizer or memory savers (issue 15 lists them as not yet run on CPU), and no tp, etp or vpp
-    yet (Megatron-Core's trainer runs tp with sp and vpp at pp >= 3 since 2026-12-06; this check's
-    recorded run predates that, and widening its space is left to its next run); Piper's
+    """The plans the CPU trainer of ``case``'s framework runs for its job: no cp or memory savers, the
+    distributed optimizer on and off with Megatron-Core (its trainer runs Megatron-Core's own since
+    2026-12-06; DeepSpeed's runs ZeRO 0), and no tp, etp or vpp yet (Megatron-Core's trainer runs tp
+    with sp and vpp at pp >= 3 since 2026-12-06; this check's recorded run predates that, and
+    widening its space to them is left to its next run); Piper's
     exchange flat (and hierarchical where a node has more than one rank) in 1-8 chunks, never
     Megatron's EP overlap or the deduplicated exchange (Piper's runtime refuses it); the shared expert
     after the exchange, as Megatron's ``MoELayer`` runs it without ``moe_shared_expert_overlap``.
@@ -83,7 +84,8 @@ def trainer_space(case: Case, cluster: ClusterSpec) -> SearchSpace:
     base = default_space(model, cluster, plan.gpus)
     algos = ("flat", "hierarchical") if case.nodes > 1 and case.ranks_per_node > 1 else ("flat",)
     a2a = tuple((a, c, False) for a in algos for c in CHUNK_CHOICES) if model.is_moe else (UNPIPELINED,)
-    space = dataclasses.replace(base, tp=(1,), vpp=(1,), cp=(1,), etp_equals_tp=(False,), distributed_optimizer=(False,),
+    space = dataclasses.replace(base, tp=(1,), vpp=(1,), cp=(1,), etp_equals_tp=(False,),
+                                distributed_optimizer=(False, True) if case.framework == "megatron" else (False,),
                                 memory_savers=((False, 0.0),), a2a=a2a, shared_expert_overlap=False,
                                 precision=plan.precision, recompute=("none", "selective", "full"))
     if case.framework == "deepspeed":

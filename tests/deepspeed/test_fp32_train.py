@@ -81,6 +81,9 @@ def test_the_trainer_config_has_a_bf16_block_for_bf16_only():
         ds_config(_job("fp16"))
     with pytest.raises(SpecError, match="precision='fp16'"):  # the launcher checks before any process starts
         TRAINER.run(_job("fp16"))
+    sharded = dataclasses.replace(_job("fp32"), plan=dataclasses.replace(_job("fp32").plan, distributed_optimizer=True))
+    with pytest.raises(SpecError, match="distributed_optimizer=True: the DeepSpeed trainer runs ZeRO stage 0"):
+        ds_config(sharded)
 
 
 # ---- training on two ranks ------------------------------------------------------------------------

@@ -70,11 +70,11 @@ def test_the_model_learns_and_the_moe_phases_are_traced(trained):
 def test_plans_the_cpu_trainer_cannot_run_are_refused():
     from piper_megatron.train import TrainJob
 
-    plan = ParallelPlan(gpus=2, global_batch_size=8, ep=2, distributed_optimizer=True)
-    with pytest.raises(SpecError, match="distributed_optimizer"):
+    plan = ParallelPlan(gpus=2, global_batch_size=8, ep=2, distributed_optimizer=True, optimizer_offload_fraction=0.5)
+    with pytest.raises(SpecError, match="optimizer_offload_fraction=0.5: the CPU trainers run no optimizer offload"):
         TrainJob(model=MODEL, plan=plan)
     with pytest.raises(SpecError, match="steps"):
-        TrainJob(model=MODEL, plan=dataclasses.replace(plan, distributed_optimizer=False), steps=1, warmup=1)
+        TrainJob(model=MODEL, plan=dataclasses.replace(plan, optimizer_offload_fraction=0.0), steps=1, warmup=1)
 
 
 def test_experts_split_over_tp_or_whole_train_the_same_losses():
