@@ -56,10 +56,11 @@ validate-fp32: install
 # N (the runs before it are kept and counted). The one-round series of 2026-12-06 (suite without
 # rounds, commit 7f7f0d6) is kept in docs/validation/fp32/runs/ and repeat.json; the first 3-round run
 # (c9d6dd9, before core_share) in docs/validation/fp32/rounds3/1; the 3-round runs with the probe
-# before the cases (9b64340 and earlier) in docs/validation/fp32/rounds3-shared.
+# before the cases (9b64340 and earlier) in docs/validation/fp32/rounds3-shared; the run with the probe
+# interleaved (5cbd0ef) in docs/validation/fp32/rounds3-interleaved/1.
 REPEATS ?= 3
 FIRST ?= 1
-SERIES ?= docs/validation/fp32/rounds3-interleaved
+SERIES ?= docs/validation/fp32/rounds3-dopt
 validate-fp32-repeat: install
 	for i in $$(seq $(FIRST) $(REPEATS)); do \
 	  $(PIPER) validate --suite full-fp32 $(REALTIME) --recalibrate --profiles $(SERIES)/$$i/profiles \
