@@ -272,9 +272,13 @@ def fit_overheads(cluster: ClusterSpec, probe_results: list[dict[str, Any]]) -> 
     measured, predicted, points = [], [], []
     for run, step, fwd in runs:
         p, pf = _base(fitted, run, world)
+        pf += d_f * 1e-6 * run["micro_batches"]  # the forward fit's own per-micro-batch term (no model field)
         measured.append(step)
         predicted.append(p)
         points.append({"label": run["label"], "measured_s": round(step, 6), "predicted_s": round(p, 6),
                        "forward_measured_s": round(fwd, 6), "forward_predicted_s": round(pf, 6)})
-    return fields, {"runs": points, **quality(measured, predicted).as_dict()}
+    forward = quality([pt["forward_measured_s"] for pt in points], [pt["forward_predicted_s"] for pt in points])
+    return fields, {"runs": points, **quality(measured, predicted).as_dict(),
+                    "forward_microbatch_overhead_us": round(d_f, 3),
+                    "forward": {k: v for k, v in forward.as_dict().items() if k != "points"}}
 
