@@ -145,19 +145,26 @@ def peak_rows_from_json(data: dict[str, Any]) -> list[PeakRow]:
     return [peak_from_json(known[r["case"]], r) for r in data["peak_rows"]]
 
 
-def repredicted(rows: list[Row], data: dict[str, Any]) -> list[Row]:
-    """``rows`` with each prediction made again by this version: from the profile each row's topology
-    was predicted from (``data["profiles"]``), fitted again from its stored medians."""
-    import dataclasses
+def refitted_clusters(data: dict[str, Any]) -> dict[str, Any]:
+    """The cluster of each topology a recorded run predicted from (``data["profiles"]``), fitted again
+    by this version from the profile's stored medians."""
     import tempfile
 
     from piper_core.calibrate.run import refit
+
+    with tempfile.TemporaryDirectory(prefix="piper-repredict-") as tmp:
+        return {topo: refit(Path(rec["path"]), Path(tmp) / f"{topo}.yaml", "validate.report --repredict").cluster
+                for topo, rec in data["profiles"].items()}
+
+
+def repredicted(rows: list[Row], data: dict[str, Any], clusters: dict[str, Any] | None = None) -> list[Row]:
+    """``rows`` with each prediction made again by this version: from the profile each row's topology
+    was predicted from, fitted again from its stored medians (or from ``clusters``, by topology)."""
+    import dataclasses
+
     from piper_core.resource.predict import predict
 
-    clusters = {}
-    with tempfile.TemporaryDirectory(prefix="piper-repredict-") as tmp:
-        for topo, rec in data["profiles"].items():
-            clusters[topo] = refit(Path(rec["path"]), Path(tmp) / f"{topo}.yaml", "validate.report --repredict").cluster
+    clusters = clusters if clusters is not None else refitted_clusters(data)
     return [dataclasses.replace(r, predicted_step_s=predict(r.case.model, clusters[r.case.topology], r.case.plan).time.step)
             for r in rows]
 
