@@ -212,13 +212,44 @@ def check_collectives(benchmarks: dict[str, Any], cluster: ClusterSpec) -> dict[
         group = Group(name=name, size=b["group_size"], stride=b["stride"])
         if name == "allreduce":
             out[name] = _curve_report(b["points"], lambda n, g=group: comm.ring(g, n, cluster, passes=2))
-        elif name in ("allgather", "reducescatter"):
+        elif name == "allgather":
             out[name] = _curve_report(b["points"], lambda n, g=group: comm.ring(g, n, cluster))
+        elif name == "reducescatter":
+            out[name] = _curve_report(b["points"], lambda n, g=group: comm.reduce_scatter(g, n, cluster))
         elif name == "alltoall-hier":
             out[name] = _curve_report(b["points"], lambda n, g=group: comm.all_to_all_hierarchical(g, n, cluster))
         elif name.startswith("p2p-"):
             out[name] = _curve_report(b["points"], lambda n, g=group: comm.p2p(g, n, cluster))
     return out
+
+
+BANDWIDTH_DOMINATES = 4.0
+"""A reduce-scatter point informs ``reduce_scatter_factor`` where the ring's bandwidth term is at
+least this many times its latency term (below, the per-message cost decides and says nothing about
+the bytes moved)."""
+
+
+def fit_reduce_scatter(benchmarks: dict[str, Any], cluster: ClusterSpec) -> tuple[ClusterSpec, dict[str, Any]]:
+    """``reduce_scatter_factor`` from the reduce-scatter curve, given the fitted links: the median over
+    the bandwidth-bound points of (measured - the ring's latency) / the ring's bandwidth time."""
+    b = benchmarks.get("reducescatter")
+    if not (isinstance(b, dict) and "stride" in b):
+        return cluster, {"factor": cluster.reduce_scatter_factor,
+                         "source": "not measured (no reduce-scatter benchmark); base value kept"}
+    group = Group(name="reducescatter", size=b["group_size"], stride=b["stride"])
+    latency = comm.ring(group, 0.0, cluster)
+    ratios = []
+    for p in b["points"]:
+        bandwidth = comm.ring(group, p["bytes"], cluster) - latency
+        if bandwidth >= BANDWIDTH_DOMINATES * latency:
+            ratios.append((p["seconds"] - latency) / bandwidth)
+    if len(ratios) < 2 or statistics.median(ratios) <= 0:
+        return cluster, {"factor": cluster.reduce_scatter_factor,
+                         "source": f"not fitted ({len(ratios)} bandwidth-bound points); base value kept"}
+    factor = _sig(statistics.median(ratios), 3)
+    return dataclasses.replace(cluster, reduce_scatter_factor=factor), {
+        "factor": factor, "points": len(ratios), "ratios": [_sig(r, 3) for r in ratios],
+        "source": "fitted to the reduce-scatter curve against the ring over the fitted links"}
 
 
 # ---- accelerator -------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from piper_core.calibrate.assemble import check_collectives, fit_accelerator, fit_links, reduce_outcomes
+from piper_core.calibrate.assemble import check_collectives, fit_accelerator, fit_links, fit_reduce_scatter, \
+    reduce_outcomes
 from piper_core.calibrate.profile import write_profile
 from piper_core.calibrate.probe import FIELDS as OVERHEAD_FIELDS
 from piper_core.calibrate.probe import fit_overheads
@@ -119,6 +120,7 @@ def fit_medians(medians: dict[str, Any], topo: Topology, base: ClusterSpec, name
         acc = dataclasses.replace(acc, core_share=min(1.0, cores / topo.world_size))
     cluster, links = fit_links(medians, topo, dataclasses.replace(base, accelerator=acc))
     fits["links"] = links
+    cluster, fits["reduce_scatter"] = fit_reduce_scatter(medians, cluster)
     fits["checks"] = check_collectives(medians, cluster)
     cluster = dataclasses.replace(cluster, name=name)
     cluster, fits["overheads"] = _overheads(cluster, medians.get("overheads"), probe_missing, failures)

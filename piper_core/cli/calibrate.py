@@ -195,17 +195,20 @@ def summarize(result: Calibration, options: CalibrateOptions) -> dict[str, Any]:
     for dtype, entry in fits["gemm"].items():
         if isinstance(entry, dict) and "r2" in entry:
             quality[f"gemm-{dtype}"] = {k: entry[k] for k in ("points", "r2", "max_rel_residual")}
+    scatter = fits.get("reduce_scatter") or {"factor": result.cluster.reduce_scatter_factor,
+                                             "source": "not fitted (a profile written before the fit existed)"}
     for group in ("curves", "checks"):
         src = fits["links"]["curves"] if group == "curves" else fits["checks"]
         for name, entry in src.items():
-            quality[name] = {k: entry[k] for k in ("points", "r2", "max_rel_residual")} | {"fitted": group == "curves"}
+            fitted = group == "curves" or (name == "reducescatter" and "points" in scatter)
+            quality[name] = {k: entry[k] for k in ("points", "r2", "max_rel_residual")} | {"fitted": fitted}
     return {
         "profile": str(result.path), "cache": str(options.cache_dir), "cluster": result.cluster.name,
         "topology": {"nodes": options.topology.nodes, "ranks_per_node": options.topology.ranks_per_node,
                      "inter_node_mbit": options.topology.inter_node_mbit, "emulated": options.topology.emulated},
         "accelerator": {f: {"value": getattr(acc, f), "base": getattr(base.accelerator, f)}
                         for f in ACCELERATOR_FIELDS},
-        "links": fits["links"]["levels"], "quality": quality, "overheads": fits["overheads"]["source"],
+        "links": fits["links"]["levels"], "reduce_scatter": scatter, "quality": quality, "overheads": fits["overheads"]["source"],
         "steps": [{"name": o.name, "status": o.status, "cached": o.cached, "wall_s": round(o.seconds, 2),
                    "error": o.error} for o in result.outcomes],
         "failures": cal["failures"],
@@ -236,6 +239,9 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"{name:<14}{v['latency_us']:>12.5g}{v['bandwidth_gb_per_s']:>12.5g}  {v['source']}{fit}")
         if v.get("left_out"):
             lines.append(f"{'':<14}left out of the fit: {v['left_out']}")
+    rs = s.get("reduce_scatter")
+    if rs:
+        lines.append(f"reduce-scatter factor {rs['factor']:g} (bytes moved over a ring's): {rs['source']}")
     lines += ["", f"{'curve (model vs measured)':<28}{'points':>7}{'R^2':>9}{'max |residual|':>16}"]
     for name, q in s["quality"].items():
         tag = "" if q.get("fitted", True) else "  (check, not fitted)"

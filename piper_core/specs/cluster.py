@@ -142,7 +142,15 @@ class ClusterSpec:
     (CUDA/NCCL context, communication buffers, allocator fragmentation); ``usable_memory_fraction``
     is the share of HBM (and of host memory) a job may plan to fill. The host fields serve optimizer
     offload: host memory per node (0: offload not possible), the GPU<->host link per GPU and the
-    host memory bandwidth a node's CPU optimizer streams through."""
+    host memory bandwidth a node's CPU optimizer streams through.
+
+    ``reduce_scatter_factor``: the bytes a reduce-scatter moves per link over a ring's ((n-1)/n of
+    the buffer): 1 for a bandwidth-optimal ring (NCCL's, as the GPU presets assume); ``piper
+    calibrate`` fits it from its reduce-scatter benchmark. Over gloo (CPU ranks) a reduce-scatter
+    measured as slow as an all-reduce of the same buffer: 726.7 ms against 717.2 ms for 16 MiB over
+    the emulated 200 Mbit/s link, factor 2.0 (docs/validation/fp32/rounds3-dopt/2/profiles), so the
+    distributed optimizer's gradient reduce-scatter plus parameter all-gather costs 1.5 all-reduces
+    there, not one."""
 
     name: str
     accelerator: AcceleratorSpec
@@ -153,6 +161,7 @@ class ClusterSpec:
     host_memory_gib_per_node: float = 0.0
     host_link_gb_per_s: float = 25.0
     host_memory_gb_per_s: float = 100.0
+    reduce_scatter_factor: float = 1.0
 
     _hash: int = field(init=False, repr=False, compare=False)
 
@@ -167,6 +176,7 @@ class ClusterSpec:
         non_negative("host_memory_gib_per_node", self.host_memory_gib_per_node)
         positive("host_link_gb_per_s", self.host_link_gb_per_s)
         positive("host_memory_gb_per_s", self.host_memory_gb_per_s)
+        positive("reduce_scatter_factor", self.reduce_scatter_factor)
         if not 1 <= len(self.links) <= 3:
             raise SpecError("links", len(self.links), "needs 1 to 3 link levels (intra-node, inter-node, "
                             "optionally a group level)", "list the levels from fastest to slowest")

@@ -71,6 +71,16 @@ def ring(group: Group, nbytes: float, cluster: ClusterSpec, *, passes: int = 1) 
     return passes * (steps * link.latency_us * US + steps / group.size * nbytes / (link.bandwidth_gb_per_s * 1e9))
 
 
+def reduce_scatter(group: Group, nbytes: float, cluster: ClusterSpec) -> float:
+    """Reduce-scatter of a ``nbytes`` buffer: a ring's latency, and ``cluster.reduce_scatter_factor``
+    times the ring's bytes (1 for NCCL's ring; about 2 over gloo, which moves an all-reduce's)."""
+    link = slowest_link(group, cluster)
+    if link is None:
+        return 0.0
+    latency = ring(group, 0.0, cluster)
+    return latency + cluster.reduce_scatter_factor * (ring(group, nbytes, cluster) - latency)
+
+
 def p2p(group: Group, nbytes: float, cluster: ClusterSpec) -> float:
     """Send ``nbytes`` to the next pipeline stage (over the level adjacent stages share)."""
     if group.size == 1:

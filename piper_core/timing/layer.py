@@ -69,8 +69,9 @@ def _tp_comm(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, blocks: 
     group = Group(name="tp", size=shape.tp, stride=1)
     nbytes = shape.tokens_for(model) * model.hidden_size * element_bytes(shape.precision)
     one = comm.ring(group, nbytes, cluster)
-    if shape.sp:
-        return blocks * 2 * one, blocks * 3 * one
+    if shape.sp:  # forward: gather + reduce-scatter; backward: two gathers + reduce-scatter
+        scatter = comm.reduce_scatter(group, nbytes, cluster)
+        return blocks * (one + scatter), blocks * (2 * one + scatter)
     return blocks * 2 * one, blocks * 2 * one
 
 

@@ -194,7 +194,7 @@ def _dp_collectives(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) 
     for params in stage_params(model, plan):
         pairs = ((dense_g, params.dense), (expert_g, params.expert))
         if plan.distributed_optimizer:
-            grads = sum(comm.ring(g, n * grad_bytes, cluster) for g, n in pairs)
+            grads = sum(comm.reduce_scatter(g, n * grad_bytes, cluster) for g, n in pairs)
             gather = sum(comm.ring(g, n * weight_bytes, cluster) for g, n in pairs)
         else:
             grads = sum(comm.ring(g, n * grad_bytes, cluster, passes=2) for g, n in pairs)
