@@ -45,11 +45,17 @@ def gemm_time(acc: AcceleratorSpec, precision: str, m: float, n: float, k: float
 
 def _roofline(acc: AcceleratorSpec, precision: str, m: float, n: float, k: float, batch: float,
               efficiency: float) -> float:
+    """The roofline at the calibrated rates, over ``core_share``: the GEMM and copy benchmarks time one
+    call while its rank holds a core, so they measure a full core's rate even where ranks share the
+    cores (4 ranks on 2 cores fitted 0.1015 TFLOP/s fp32 against 2 ranks' 0.1003,
+    docs/validation/fp32/rounds3-dopt/2/profiles), while in a step every rank computes at once and
+    each gets ``core_share`` of one. Host terms and the element-wise rate are fitted to whole
+    training steps (the probe), already at the shared rate, and are not scaled."""
     flops = 2.0 * m * n * k * batch
     moved = element_bytes(precision) * (m * k + k * n + m * n) * batch
     compute = flops / (acc.peak_flops(precision) * efficiency)
     memory = moved / (acc.hbm_gb_per_s * 1e9 * acc.hbm_efficiency)
-    return max(compute, memory) + acc.kernel_latency_us * 1e-6
+    return max(compute, memory) / acc.core_share + acc.kernel_latency_us * 1e-6
 
 
 def core_attention_gemm_time(acc: AcceleratorSpec, precision: str, m: float, n: float, k: float, *,
@@ -70,7 +76,7 @@ def stream_time(acc: AcceleratorSpec, nbytes: float, *, elementwise: bool = True
     (``elementwise=False``: the optimizer's fp32 sweep, copies) at HBM x efficiency."""
     if elementwise and acc.elementwise_gb_per_s is not None:
         return nbytes / (acc.elementwise_gb_per_s * 1e9)
-    return nbytes / (acc.hbm_gb_per_s * 1e9 * acc.hbm_efficiency)
+    return nbytes / (acc.hbm_gb_per_s * 1e9 * acc.hbm_efficiency) / acc.core_share
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

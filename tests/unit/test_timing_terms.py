@@ -254,12 +254,17 @@ def test_ranks_sharing_cores_run_the_pipeline_fill_and_drain_faster_but_no_rank_
 
     half = _shared(CPU, 0.5)
     pp4 = plan(model, gpus=4, pp=4, micro_batch_size=2, global_batch_size=16, distributed_optimizer=False)
-    full, shared = step_time(model, pp4, CPU), step_time(model, pp4, half)
-    m, slow = pp4.num_microbatches, max(s.total for s in full.stages)
-    assert full.bubble > 0 and shared.pipeline == pytest.approx(max(m * slow, 0.5 * full.pipeline))
-    assert shared.pipeline < full.pipeline and shared.bubble >= 0
+    from piper_core.timing.step import _pipeline, _stage_times
+
+    shared = step_time(model, pp4, half)
+    stages, _ = _stage_times(model, pp4, half)
+    unshared = _pipeline(stages, pp4.num_microbatches, 1, True)  # the schedule at the all-busy rates
+    m, slow = pp4.num_microbatches, max(s.total for s in stages)
+    assert unshared > m * slow and shared.pipeline == pytest.approx(max(m * slow, 0.5 * unshared))
+    assert shared.pipeline < unshared and shared.bubble >= 0
     flat = plan(model, gpus=4, ep=4, micro_batch_size=2, global_batch_size=16, distributed_optimizer=False)
-    assert step_time(model, flat, half).step == step_time(model, flat, CPU).step
+    stages, _ = _stage_times(model, flat, half)  # no pipeline: nothing waits, the all-busy rates stand
+    assert step_time(model, flat, half).pipeline == pytest.approx(flat.num_microbatches * stages[0].total)
     for p in (pp4, flat):
         assert ExchangeVariants(model, p, half).step(p) == pytest.approx(step_time(model, p, half, exact=False).step)
     assert H100.accelerator.core_share == 1.0 and CPU.accelerator.core_share == 1.0
@@ -280,3 +285,21 @@ def test_calibration_writes_the_share_of_a_core_each_rank_had(tmp_path):
         assert read_profile(src).calibration["machine"]["cores"] == cores and read_profile(src).calibration["ranks"] == 2
         out = refit(src, tmp_path / f"out{cores}.yaml", "test")
         assert out.cluster.accelerator.core_share == expect
+
+
+def test_gemms_and_copies_run_at_the_core_share_of_the_benchmarked_rate_when_ranks_share_cores():
+    """The GEMM and copy benchmarks time one call while its rank holds a core (4 ranks on 2 cores
+    fitted the same fp32 rate as 2 ranks: 0.1015 and 0.1003 TFLOP/s), so a step with every rank busy
+    runs them at core_share of it; the probe-fitted element-wise rate and host terms are not scaled."""
+    from piper_core.timing.compute import gemm_time, stream_time
+
+    cpu = load_cluster("cpu-local").accelerator
+    full, half = dataclasses.replace(cpu, core_share=1.0), dataclasses.replace(cpu, core_share=0.5)
+    latency = cpu.kernel_latency_us * 1e-6
+    t1, t2 = gemm_time(full, "fp32", 512, 512, 512), gemm_time(half, "fp32", 512, 512, 512)
+    assert t2 - latency == pytest.approx(2 * (t1 - latency))
+    assert stream_time(half, 1e8, elementwise=False) == pytest.approx(2 * stream_time(full, 1e8, elementwise=False))
+    with_rate = dataclasses.replace(half, elementwise_gb_per_s=2.0)
+    assert stream_time(with_rate, 1e8) == pytest.approx(1e8 / 2e9)  # fitted to whole steps: already shared
+    h100 = load_cluster("dgx-h100").accelerator
+    assert h100.core_share == 1.0  # a device per rank: no GPU prediction moves

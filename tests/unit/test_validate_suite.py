@@ -207,8 +207,9 @@ def test_a_recorded_run_is_predicted_again_by_this_version_from_its_refitted_pro
     by_name = {r.case.name: (old, r) for old, r in zip(rows, again)}
     old, new = by_name["4r-pp4"]
     assert new.predicted_step_s < 0.8 * old.predicted_step_s  # recorded before core_share: the bubble at full price
-    old, new = by_name["4r-ep4-mbs2"]  # no pipeline: the shared cores change nothing
-    assert new.predicted_step_s == pytest.approx(old.predicted_step_s, rel=1e-3)
+    old, new = by_name["4r-ep4-mbs2"]  # no pipeline: no bubble to shrink; the GEMMs, at the shared rate
+    # since 2026-12-07, and the host terms refitted with them move it a little
+    assert 0.85 * old.predicted_step_s < new.predicted_step_s < old.predicted_step_s
     assert report_main([str(path), "--repredict"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("re-predicted by this version from the run's profiles, refitted (not a run of this version; "

@@ -1,0 +1,68 @@
+"""``python -m piper_core.validate.floor``: one run's measurements as the prediction of another's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from piper_core.errors import SpecError
+from piper_core.validate.floor import figures, load, main, pair
+
+ROOT = Path(__file__).resolve().parents[2]
+LIMITS = {"step_mape": 0.10, "worst_step": 0.20, "memory": 0.05, "pick": 0.05}
+
+
+def _run(path: str, measured: dict[str, float], rounds: dict[str, list[float]] | None = None, mape: float = 0.1) -> dict:
+    rows = [{"case": c, "step_s": {"measured": t, **({"rounds": rounds[c]} if rounds and c in rounds else {})}}
+            for c, t in measured.items()]
+    return {"path": path, "rows": rows,
+            "verdict": {"limits": LIMITS, "cases": len(rows), "step_mape": mape, "worst_step_error": mape}}
+
+
+def test_identical_runs_have_a_floor_of_zero_and_pass():
+    a, b = _run("a/1/results.json", {"x": 1.0, "y": 2.0}), _run("b/1/results.json", {"x": 1.0, "y": 2.0})
+    p = pair(a, b)
+    assert p["step_mape"] == 0.0 and p["passes"] and p["cases"] == 2
+
+
+def test_one_case_off_is_the_worst_and_a_whole_run_drift_is_taken_out_separately():
+    a = _run("a", {"x": 1.3, "y": 2.0, "z": 3.0})
+    b = _run("b", {"x": 1.0, "y": 2.0, "z": 3.0})
+    p = pair(a, b)
+    assert p["worst_step_case"] == "x" and p["worst_step_error"] == pytest.approx(0.3)
+    assert p["step_mape"] == pytest.approx(0.1) and not p["passes"]  # worst 30 % > 20 %
+    slow = _run("s", {"x": 1.1, "y": 2.2, "z": 3.3})  # everything 10 % slower: drift, no per-case noise
+    q = pair(slow, b)
+    assert q["step_mape"] == pytest.approx(0.1) and q["step_mape_drift_removed"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_only_shared_cases_count_and_rounds_give_the_noise_inside_a_run():
+    a = _run("a", {"x": 1.0, "only-a": 5.0}, rounds={"x": [0.9, 1.0, 1.1]})
+    b = _run("b", {"x": 1.0, "only-b": 7.0}, mape=0.3)
+    f = figures([a, b])
+    assert all(p["cases"] == 1 for p in f["pairs"]) and len(f["pairs"]) == 2
+    assert f["within_run"]["rounds"] == 3 and f["within_run"]["mean_abs_deviation"] == pytest.approx(0.2 / 3)
+    assert f["model_pooled_step_mape"] == pytest.approx(0.2)  # 0.1 and 0.3, two cases each
+
+
+def test_bad_input_is_refused_with_the_fix(tmp_path):
+    with pytest.raises(SpecError, match="at least 2"):
+        load([tmp_path / "one.json"])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    with pytest.raises(SpecError, match="not a readable"):
+        load([bad, bad])
+    with pytest.raises(SpecError, match="share no case"):
+        figures([_run("a", {"x": 1.0}), _run("b", {"y": 1.0})])
+
+
+def test_the_recorded_runs_floor_and_json(tmp_path, capsys):
+    runs = [ROOT / f"docs/validation/fp32/{r}/results.json" for r in ("rounds3-dopt/1", "rounds3-dopt/2")]
+    out = tmp_path / "floor.json"
+    assert main([str(r) for r in runs] + ["--json", str(out)]) == 0
+    f = json.loads(out.read_text())
+    assert len(f["pairs"]) == 2 and all(p["cases"] == 40 for p in f["pairs"])
+    assert 0.05 < f["floor_step_mape"]["mean"] < 0.2  # the two runs' measurements disagree by ~10 %
+    assert "the oracle (another run's measurement of the same case)" in capsys.readouterr().out
