@@ -73,6 +73,21 @@ def rounds_noise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"rounds": len(devs), "mean_abs_deviation": statistics.mean(devs) if devs else None}
 
 
+def ratio(runs: list[dict[str, Any]], a: str, b: str) -> list[dict[str, Any]]:
+    """Per run that has both cases: case ``a``'s step over case ``b``'s, measured and predicted. Both
+    are measured in the same run's rounds and predicted from the same calibration, so the machine's
+    drift between runs and between calibration and cases cancels: what is left is the model's."""
+    out = []
+    for run in runs:
+        steps = {r["case"]: r["step_s"] for r in run["rows"]}
+        if a in steps and b in steps:
+            out.append({"run": run["path"], "measured": steps[a]["measured"] / steps[b]["measured"],
+                        "predicted": steps[a]["predicted"] / steps[b]["predicted"]})
+    if not out:
+        raise SpecError("--ratio", f"{a} {b}", "no run has both cases", "name two cases of one run (piper validate --list)")
+    return out
+
+
 def figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
     pairs = [p for a, b in itertools.permutations(runs, 2) if (p := pair(a, b)) is not None]
     if not pairs:
@@ -120,8 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m piper_core.validate.floor", description=__doc__.split("\n\n")[1])
     p.add_argument("runs", nargs="+", type=Path, help="piper validate --json records")
     p.add_argument("--json", type=Path, metavar="FILE", help="write the figures as JSON")
+    p.add_argument("--ratio", nargs=2, metavar=("CASE_A", "CASE_B"),
+                   help="instead: CASE_A's step over CASE_B's in each run, measured and predicted")
     args = p.parse_args(argv)
     try:
+        if args.ratio:
+            rows = ratio(load(args.runs), *args.ratio)
+            print(f"{args.ratio[0]} / {args.ratio[1]}: {'measured':>8} {'predicted':>9}")
+            for r in rows:
+                print(f"  {_short(r['run']):<28} {r['measured']:>8.3f} {r['predicted']:>9.3f}")
+            if args.json:
+                args.json.write_text(json.dumps(rows, indent=1))
+            return 0
         f = figures(load(args.runs))
     except SpecError as e:
         print(f"error: {e}", file=sys.stderr)

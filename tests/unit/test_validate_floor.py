@@ -66,3 +66,19 @@ def test_the_recorded_runs_floor_and_json(tmp_path, capsys):
     assert len(f["pairs"]) == 2 and all(p["cases"] == 40 for p in f["pairs"])
     assert 0.05 < f["floor_step_mape"]["mean"] < 0.2  # the two runs' measurements disagree by ~10 %
     assert "the oracle (another run's measurement of the same case)" in capsys.readouterr().out
+
+
+def test_a_ratio_of_two_cases_inside_each_run_measured_and_predicted(capsys):
+    from piper_core.validate.floor import ratio
+
+    def run(path, a, b):
+        return {"path": path, "verdict": {}, "rows": [{"case": "a", "step_s": {"measured": a[0], "predicted": a[1]}},
+                                                       {"case": "b", "step_s": {"measured": b[0], "predicted": b[1]}}]}
+
+    rows = ratio([run("r1", (3.0, 2.0), (2.0, 2.0)), run("r2", (1.5, 1.0), (1.0, 1.0))], "a", "b")
+    assert [(r["measured"], r["predicted"]) for r in rows] == [(1.5, 1.0), (1.5, 1.0)]
+    with pytest.raises(SpecError, match="no run has both cases"):
+        ratio([run("r1", (1.0, 1.0), (1.0, 1.0))], "a", "zzz")
+    recorded = [str(ROOT / f"docs/validation/fp32/rounds3-dopt/{i}/results.json") for i in (1, 2)]
+    assert main(recorded + ["--ratio", "emu2x1-ep1-dopt", "emu2x1-ep1"]) == 0
+    assert "emu2x1-ep1-dopt / emu2x1-ep1" in capsys.readouterr().out
