@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 from collections.abc import Sequence
@@ -24,24 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from piper_core.errors import SpecError
+from piper_core.validate.repeat import emit, read_record
 
 
 def load(paths: Sequence[Path]) -> list[dict[str, Any]]:
     if len(paths) < 2:
         raise SpecError("runs", len(paths), "the floor compares runs with each other: it needs at least 2",
                         "pass two or more results.json files written by piper validate --json")
-    out = []
-    for p in paths:
-        try:
-            record = json.loads(Path(p).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise SpecError("run", str(p), f"is not a readable piper validate --json record ({e})",
-                            "pass the file piper validate --json wrote") from e
-        if "rows" not in record or "verdict" not in record:
-            raise SpecError("run", str(p), "has no rows or verdict (is it a --peak-only record?)",
-                            "pass a full piper validate --json record")
-        out.append(record | {"path": str(p)})
-    return out
+    return [read_record(p) for p in paths]
 
 
 def _measured(run: dict[str, Any]) -> dict[str, float]:
@@ -138,25 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ratio", nargs=2, metavar=("CASE_A", "CASE_B"),
                    help="instead: CASE_A's step over CASE_B's in each run, measured and predicted")
     args = p.parse_args(argv)
-    try:
+
+    def make() -> tuple[Any, list[str]]:
         if args.ratio:
             rows = ratio(load(args.runs), *args.ratio)
-            print(f"{args.ratio[0]} / {args.ratio[1]}: {'measured':>8} {'predicted':>9}")
-            for r in rows:
-                print(f"  {_short(r['run']):<28} {r['measured']:>8.3f} {r['predicted']:>9.3f}")
-            if args.json:
-                args.json.write_text(json.dumps(rows, indent=1))
-            return 0
+            return rows, [f"{args.ratio[0]} / {args.ratio[1]}: {'measured':>8} {'predicted':>9}"] + [
+                f"  {_short(r['run']):<28} {r['measured']:>8.3f} {r['predicted']:>9.3f}" for r in rows]
         f = figures(load(args.runs))
-    except SpecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print("\n".join(lines(f)))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(f, indent=1))
-        print(f"wrote {args.json}")
-    return 0
+        return f, lines(f)
+
+    return emit(make, args.json)
 
 
 if __name__ == "__main__":

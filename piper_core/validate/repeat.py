@@ -20,7 +20,7 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,22 +29,29 @@ from piper_core.errors import SpecError
 HEADLINE = ("step_mape", "worst_step_error", "worst_peak_error", "worst_pick_regret")
 
 
+def read_record(path: Path) -> dict[str, Any]:
+    """One ``piper validate --json`` record (with ``"path"`` added); a clear error for anything else."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SpecError("run", str(path), f"is not a readable piper validate --json record ({e})",
+                        "pass the file piper validate --json wrote") from e
+    if "rows" not in record or "verdict" not in record:
+        raise SpecError("run", str(path), "has no rows or verdict (is it a --peak-only record?)",
+                        "pass a full piper validate --json record")
+    return record | {"path": str(path)}
+
+
 def load_runs(paths: Sequence[Path]) -> list[dict[str, Any]]:
     """The records at ``paths``; they must be runs of one suite (same sha256) with the same cases."""
     if len(paths) < 2:
         raise SpecError("runs", len(paths), "repeatability needs at least 2 recorded runs",
                         "pass two or more results.json files of one suite")
-    runs = []
-    for p in paths:
-        try:
-            record = json.loads(Path(p).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise SpecError("run", str(p), f"is not a readable piper validate --json record ({e})",
-                            "pass the file piper validate --json wrote") from e
-        if "rows" not in record or "verdict" not in record or "suite" not in record:
-            raise SpecError("run", str(p), "has no rows, verdict or suite (is it a --peak-only record?)",
-                            "pass a full piper validate --json record")
-        runs.append(record | {"path": str(p)})
+    runs = [read_record(p) for p in paths]
+    for r in runs:
+        if "suite" not in r:
+            raise SpecError("run", r["path"], "records no suite (written before suites were recorded)",
+                            "read together only runs that record their suite")
     first = runs[0]
     for r in runs[1:]:
         if r["suite"]["sha256"] != first["suite"]["sha256"]:
@@ -122,22 +129,33 @@ def lines(f: dict[str, Any]) -> list[str]:
     return out
 
 
+def emit(make: Callable[[], tuple[Any, list[str]]], json_path: Path | None) -> int:
+    """Print what ``make`` returns (figures, lines) and write the figures to ``json_path``; a bad input
+    (:class:`SpecError`) prints its message and exits 2."""
+    try:
+        data, text = make()
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(text))
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(data, indent=1))
+        print(f"wrote {json_path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m piper_core.validate.repeat", description=__doc__.split("\n\n")[1])
     p.add_argument("runs", nargs="+", type=Path, help="piper validate --json records of one suite")
     p.add_argument("--json", type=Path, metavar="FILE", help="write the figures as JSON")
     args = p.parse_args(argv)
-    try:
+
+    def make() -> tuple[dict[str, Any], list[str]]:
         f = figures(load_runs(args.runs))
-    except SpecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print("\n".join(lines(f)))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(f, indent=1))
-        print(f"wrote {args.json}")
-    return 0
+        return f, lines(f)
+
+    return emit(make, args.json)
 
 
 if __name__ == "__main__":
