@@ -237,11 +237,10 @@ def fit_reduce_scatter(benchmarks: dict[str, Any], cluster: ClusterSpec) -> tupl
         return cluster, {"factor": cluster.reduce_scatter_factor,
                          "source": "not measured (no reduce-scatter benchmark); base value kept"}
     group = Group(name="reducescatter", size=b["group_size"], stride=b["stride"])
-    latency = comm.ring(group, 0.0, cluster)
     ratios = []
     for p in b["points"]:
-        bandwidth = comm.ring(group, p["bytes"], cluster) - latency
-        if bandwidth >= BANDWIDTH_DOMINATES * latency:
+        latency, bandwidth = comm.ring_parts(group, p["bytes"], cluster)
+        if bandwidth > 0 and bandwidth >= BANDWIDTH_DOMINATES * latency:
             ratios.append((p["seconds"] - latency) / bandwidth)
     if len(ratios) < 2 or statistics.median(ratios) <= 0:
         return cluster, {"factor": cluster.reduce_scatter_factor,

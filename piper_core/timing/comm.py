@@ -71,14 +71,17 @@ def ring(group: Group, nbytes: float, cluster: ClusterSpec, *, passes: int = 1) 
     return passes * (steps * link.latency_us * US + steps / group.size * nbytes / (link.bandwidth_gb_per_s * 1e9))
 
 
+def ring_parts(group: Group, nbytes: float, cluster: ClusterSpec) -> tuple[float, float]:
+    """(latency, bandwidth) seconds of one :func:`ring` pass over ``nbytes``; (0, 0) inside one rank."""
+    latency = ring(group, 0.0, cluster)
+    return latency, ring(group, nbytes, cluster) - latency
+
+
 def reduce_scatter(group: Group, nbytes: float, cluster: ClusterSpec) -> float:
     """Reduce-scatter of a ``nbytes`` buffer: a ring's latency, and ``cluster.reduce_scatter_factor``
     times the ring's bytes (1 for NCCL's ring; about 2 over gloo, which moves an all-reduce's)."""
-    link = slowest_link(group, cluster)
-    if link is None:
-        return 0.0
-    latency = ring(group, 0.0, cluster)
-    return latency + cluster.reduce_scatter_factor * (ring(group, nbytes, cluster) - latency)
+    latency, bandwidth = ring_parts(group, nbytes, cluster)
+    return latency + cluster.reduce_scatter_factor * bandwidth
 
 
 def p2p(group: Group, nbytes: float, cluster: ClusterSpec) -> float:
