@@ -10,12 +10,20 @@ It prints, per ordered pair of runs, the MAPE and worst error of that oracle, ju
 judged run recorded (step MAPE, worst step); the same with one speed factor per pair taken out (the
 median ratio: what a whole-run drift of the machine explains); each single round of a case against its
 run's median (the noise inside a run); and beside them each run's own model figure as recorded.
+
+``--speed TOPOLOGY`` asks instead how fast the machine was when each run's calibration probed it,
+against how fast it was while that run's cases ran: per run, the host-overhead probe's step times and
+the topology's case step times, each as a geometric mean of its ratio to the median over the runs, and
+the model's median error on those cases as recorded. A probe that caught the machine in a slow stretch
+fits host terms that predict every case too slow; the line through (probe speed / case speed, median
+error) at 1.0 is the error a calibration at the cases' own speed would have left: the model's part.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import statistics
 import sys
 from collections.abc import Sequence
@@ -77,6 +85,85 @@ def ratio(runs: list[dict[str, Any]], a: str, b: str) -> list[dict[str, Any]]:
     return out
 
 
+def _profile_path(run: dict[str, Any], topology: str) -> Path:
+    """The profile a run predicted ``topology`` from: its recorded path, taken from the working
+    directory or, failing that, from the repository the record lies in."""
+    rec = (run.get("profiles") or {}).get(topology)
+    if rec is None:
+        raise SpecError("--speed", topology, f"{run['path']} predicted no case from that topology",
+                        "name a topology of the runs' cases (the 'topology' of their rows)")
+    path = Path(rec["path"])
+    for root in (Path.cwd(), *Path(run["path"]).resolve().parents):
+        if (root / path).is_file():
+            return root / path
+    raise SpecError("--speed", str(path), f"the profile {run['path']} predicted from is not on this disk",
+                    "run from the repository the record was written in")
+
+
+def _probe_steps(profile: Path) -> dict[str, float]:
+    """The probe's step per probe run (slowest rank), as the profile stores it."""
+    from piper_core.calibrate.profile import read_profile
+
+    cal = read_profile(profile).calibration
+    ranks = ((cal.get("benchmarks") or {}).get("overheads") or {}).get("result", {}).get("ranks")
+    if not ranks:
+        raise SpecError("calibration.benchmarks.overheads", str(profile), "has no host-overhead probe results",
+                        "pass runs whose calibration ran the probe")
+    return {r["label"]: max(rank["runs"][i]["step_s"] for rank in ranks) for i, r in enumerate(ranks[0]["runs"])}
+
+
+def _relative_speed(steps: list[dict[str, float]]) -> list[float]:
+    """Per run: geometric mean over the keys every run has of its time over the median of the runs' times."""
+    keys = set.intersection(*(set(s) for s in steps))
+    if not keys:
+        raise SpecError("runs", len(steps), "share no probe run or case of that topology", "pass runs of one suite")
+    median = {k: statistics.median(s[k] for s in steps) for k in keys}
+    return [math.exp(statistics.mean(math.log(s[k] / median[k]) for k in keys)) for s in steps]
+
+
+def _repredicted_errors(run: dict[str, Any], topology: str) -> list[float]:
+    """The run's errors on ``topology`` as this version predicts them again (its profiles refitted)."""
+    from piper_core.validate.report import repredicted, rows_from_json
+
+    rows, _ = rows_from_json(run)
+    return [r.predicted_step_s / r.measured_step_s - 1 for r in repredicted(rows, run) if r.case.topology == topology]
+
+
+def speed(runs: list[dict[str, Any]], topology: str, *, again: bool = False) -> dict[str, Any]:
+    """Per run: the probe's and the cases' relative step times on ``topology``, and the model's median
+    error there (as recorded, or ``again``: as this version predicts it from the refitted profiles);
+    the least-squares line of that error over the probe/case ratio, at 1."""
+    probe = _relative_speed([_probe_steps(_profile_path(r, topology)) for r in runs])
+    cases = _relative_speed([{row["case"]: row["step_s"]["measured"] for row in r["rows"] if row["topology"] == topology}
+                             for r in runs])
+    out = []
+    for run, p, c in zip(runs, probe, cases):
+        errors = _repredicted_errors(run, topology) if again else \
+            [row["step_s"]["error"] for row in run["rows"] if row["topology"] == topology]
+        out.append({"run": run["path"], "probe": p, "cases": c, "probe_over_cases": p / c,
+                    "median_error": statistics.median(errors), "n": len(errors)})
+    xs, ys = [r["probe_over_cases"] for r in out], [r["median_error"] for r in out]
+    fit = None
+    if len(out) >= 3 and statistics.pvariance(xs) > 0:
+        slope = statistics.covariance(xs, ys) / statistics.variance(xs)
+        fit = {"slope": slope, "error_at_equal_speed": statistics.mean(ys) + slope * (1 - statistics.mean(xs)),
+               "correlation": statistics.correlation(xs, ys)}
+    return {"topology": topology, "errors": "re-predicted by this version" if again else "as recorded",
+            "runs": out, "fit": fit}
+
+
+def speed_lines(f: dict[str, Any]) -> list[str]:
+    out = [f"{f['topology']}: {'probe':>6} {'cases':>6} {'probe/cases':>11} {'median error':>12}  (times relative to the "
+           f"median over the runs; error {f['errors']})"]
+    out += [f"  {_short(r['run']):<28} {r['probe']:>6.3f} {r['cases']:>6.3f} {r['probe_over_cases']:>11.3f} "
+            f"{100 * r['median_error']:>+11.1f}%" for r in f["runs"]]
+    if f["fit"]:
+        fit = f["fit"]
+        out.append(f"  error = {100 * fit['error_at_equal_speed']:+.1f}% at equal speed, {fit['slope']:+.2f} per unit of "
+                   f"probe/cases (correlation {fit['correlation']:+.2f}, least squares over {len(f['runs'])} runs)")
+    return out
+
+
 def figures(runs: list[dict[str, Any]]) -> dict[str, Any]:
     pairs = [p for a, b in itertools.permutations(runs, 2) if (p := pair(a, b)) is not None]
     if not pairs:
@@ -126,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, metavar="FILE", help="write the figures as JSON")
     p.add_argument("--ratio", nargs=2, metavar=("CASE_A", "CASE_B"),
                    help="instead: CASE_A's step over CASE_B's in each run, measured and predicted")
+    p.add_argument("--speed", metavar="TOPOLOGY",
+                   help="instead: the machine's speed when each run's calibration probed TOPOLOGY against while its "
+                        "cases ran, and the model's median error there")
+    p.add_argument("--repredict", action="store_true",
+                   help="with --speed: the model's errors as this version predicts the runs again (profiles refitted "
+                        "from their stored medians), not as recorded")
     args = p.parse_args(argv)
 
     def make() -> tuple[Any, list[str]]:
@@ -133,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
             rows = ratio(load(args.runs), *args.ratio)
             return rows, [f"{args.ratio[0]} / {args.ratio[1]}: {'measured':>8} {'predicted':>9}"] + [
                 f"  {_short(r['run']):<28} {r['measured']:>8.3f} {r['predicted']:>9.3f}" for r in rows]
+        if args.speed:
+            f = speed(load(args.runs), args.speed, again=args.repredict)
+            return f, speed_lines(f)
         f = figures(load(args.runs))
         return f, lines(f)
 

@@ -82,3 +82,44 @@ def test_a_ratio_of_two_cases_inside_each_run_measured_and_predicted(capsys):
     recorded = [str(ROOT / f"docs/validation/fp32/rounds3-dopt/{i}/results.json") for i in (1, 2)]
     assert main(recorded + ["--ratio", "emu2x1-ep1-dopt", "emu2x1-ep1"]) == 0
     assert "emu2x1-ep1-dopt / emu2x1-ep1" in capsys.readouterr().out
+
+
+def _speed_run(path: str, cases: dict[str, float], errors: dict[str, float]) -> dict:
+    rows = [{"case": c, "topology": "t", "step_s": {"measured": t, "error": errors[c]}} for c, t in cases.items()]
+    return {"path": path, "rows": rows, "verdict": {}, "profiles": {"t": {"path": f"{path}.yaml"}}}
+
+
+def test_speed_finds_the_error_a_probe_in_a_slow_stretch_leaves(monkeypatch):
+    """Three runs whose cases ran at one speed while their probes caught the machine 20 % slow, at
+    speed and 20 % fast; the model's error moves with it, and the line through them gives back the
+    error at equal speed (+5 %) and the slope (1: host terms fitted 20 % slow predict 20 % slow)."""
+    from piper_core.validate import floor
+
+    probes = {"r1": {"p": 1.2, "q": 2.4}, "r2": {"p": 1.0, "q": 2.0}, "r3": {"p": 0.8, "q": 1.6}}
+    monkeypatch.setattr(floor, "_profile_path", lambda run, topology: run["path"])
+    monkeypatch.setattr(floor, "_probe_steps", lambda path: probes[path])
+    runs = [_speed_run(r, {"x": 1.0, "y": 3.0}, {"x": e, "y": e}) for r, e in (("r1", 0.25), ("r2", 0.05), ("r3", -0.15))]
+    f = floor.speed(runs, "t")
+    assert [round(r["probe_over_cases"], 6) for r in f["runs"]] == [1.2, 1.0, 0.8]
+    assert f["fit"]["error_at_equal_speed"] == pytest.approx(0.05) and f["fit"]["slope"] == pytest.approx(1.0)
+    assert f["fit"]["correlation"] == pytest.approx(1.0)
+    assert "+5.0% at equal speed" in "\n".join(floor.speed_lines(f))
+
+
+def test_speed_on_the_recorded_runs_and_its_errors(capsys):
+    """The six recorded 3-round runs: on local-2 the probe's speed against the cases' explains the
+    model's median error from run to run (it went from -14.5 % to +26.5 % as the probe ran 17 % fast
+    to 18 % slow); a topology no run has is refused with the fix."""
+    from piper_core.validate.floor import speed
+
+    names = ("rounds3-shared/1", "rounds3-shared/2", "rounds3-interleaved/1", "rounds3-dopt/1", "rounds3-dopt/2",
+             "rounds3-core/1")
+    runs = load([ROOT / f"docs/validation/fp32/{r}/results.json" for r in names])
+    f = speed(runs, "local-2-fp32")
+    assert len(f["runs"]) == 6 and all(r["n"] >= 17 for r in f["runs"])
+    assert f["fit"]["correlation"] > 0.9
+    assert f["fit"]["error_at_equal_speed"] < min(abs(r["median_error"]) for r in f["runs"][2:])
+    with pytest.raises(SpecError, match="--speed"):
+        speed(runs, "no-such-topology")
+    assert main([str(ROOT / f"docs/validation/fp32/{r}/results.json") for r in names[:3]] + ["--speed", "local-2-fp32"]) == 0
+    assert "at equal speed" in capsys.readouterr().out
