@@ -280,11 +280,14 @@ def _pinned(block: PiperConfig, model: ModelSpec, cluster: ClusterSpec, world_si
 
 
 def node_topology(cluster: ClusterSpec, world_size: int) -> NodeTopology:
-    """Ranks per node from the cluster spec, consecutive global ranks (the launchers' layout)."""
-    per = min(cluster.gpus_per_node, world_size)
+    """The exchange's domains from the cluster spec (a node, or an NVLink domain across nodes:
+    :meth:`~piper_core.specs.cluster.ClusterSpec.exchange_domain_ranks`), consecutive global ranks
+    (the launchers' layout)."""
+    per = min(cluster.exchange_domain_ranks(), world_size)
     if world_size % per:
-        raise SpecError("world size", world_size, f"is not a whole number of {cluster.name} nodes "
-                        f"({cluster.gpus_per_node} GPUs each)", "launch whole nodes or fix piper.cluster")
+        what = "nodes" if per == cluster.gpus_per_node else f"{cluster.links[0].name} domains"
+        raise SpecError("world size", world_size, f"is not a whole number of {cluster.name} {what} "
+                        f"({per} GPUs each)", "launch whole nodes or fix piper.cluster")
     return NodeTopology.uniform(world_size=world_size, ranks_per_node=per)
 
 

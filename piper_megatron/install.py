@@ -311,8 +311,9 @@ def dispatcher_description(planned: Planned) -> str | None:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DispatchRequest:
-    """What the ``initialize_model_parallel`` hook installs: the plan's all-to-all, the node size
-    for the hierarchical stages, the collective timeout and the ``--piper-trace`` path (or None)."""
+    """What the ``initialize_model_parallel`` hook installs: the plan's all-to-all, the ranks of one
+    domain for the hierarchical stages (a node, or an NVLink domain across nodes:
+    :meth:`~piper_core.specs.cluster.ClusterSpec.exchange_domain_ranks`), the collective timeout and the ``--piper-trace`` path (or None)."""
 
     a2a: str
     chunks: int
@@ -402,7 +403,7 @@ class Installation:
         if self.planned.model.is_moe:
             self.hook_model_parallel(DispatchRequest(
                 a2a=plan.a2a, chunks=plan.a2a_chunks, tune=options.tune, defer_wgrad=plan.defer_wgrad,
-                ranks_per_node=_ranks_per_node() or self.planned.cluster.gpus_per_node,
+                ranks_per_node=self.planned.cluster.exchange_domain_ranks(_ranks_per_node()),
                 timeout_minutes=getattr(args, "distributed_timeout_minutes", 10), trace=options.trace))
 
     def _record(self, args: Any) -> PlanRecord:

@@ -58,6 +58,22 @@ def _settings(plan) -> str:
     return out + (f" grouped_gemm={int(plan.moe_grouped_gemm)}" if plan.moe_grouped_gemm is not None else "")
 
 
+def _placement_lines(p: Prediction) -> list[str]:
+    """Where expert parallelism lands: the link levels a rank's ep peers sit behind, and what the
+    exchange costs (one way per MoE layer; exposed over the step)."""
+    place = p.expert_placement()
+    if place is None:
+        return []
+    links = ", ".join(f"{x['peers']} over {x['link']} ({x['bandwidth_gb_per_s']:g} GB/s)" for x in place["links"])
+    fast = p.cluster.links[0]
+    domains = (f"inside one {fast.name} domain" if place["fast_domains"] == 1 else
+               f"across {place['fast_domains']} {fast.name} domains of {fast.domain_gpus} GPUs")
+    t = p.time
+    return [f"expert parallelism: ep={place['ep']} (ranks {place['stride']} apart), {domains}; peers per rank: {links}",
+            f"  dispatch {1e3 * t.a2a_one_way:.3g} ms one way per MoE layer and micro-batch; exposed all-to-all "
+            f"{t.exposed_a2a:.3g} s, {100 * t.exposed_a2a / t.step:.1f}% of the step"]
+
+
 def render(p: Prediction, *, overrides: str = "") -> str:
     """Human-readable report: plan, parameters, FLOPs, memory per stage, verdict (``overrides``: the
     model settings the command line changed, shown beside the model's name)."""
@@ -94,6 +110,7 @@ def render(p: Prediction, *, overrides: str = "") -> str:
               f"MFU {100 * r.mfu:.1f}% of dense {plan.precision} peak | {r.tflops_per_gpu:.1f} TFLOPS/GPU | "
               f"{r.tokens_per_s:,.0f} tokens/s",
               f"bottleneck: {r.bottleneck}"]
+    lines += _placement_lines(p)
     peak = p.peak_stage
     verdict = (f"fits with {p.headroom_bytes / GIB:.2f} GiB to spare" if p.feasible
                else f"DOES NOT FIT: {-p.headroom_bytes / GIB:.2f} GiB over")

@@ -15,6 +15,7 @@ from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.specs.yamlio import to_dict
 from piper_core.timing.step import StepTime, Throughput, step_time, throughput
+from piper_core.timing.topology import expert_groups, level_shares
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,6 +56,19 @@ class Prediction:
     def headroom_bytes(self) -> int:
         """Capacity minus the peak stage (negative: short by that much)."""
         return self.capacity_bytes - self.peak_stage.total
+
+    def expert_placement(self) -> dict[str, Any] | None:
+        """Where the expert-parallel group lands on the cluster (None without expert parallelism):
+        its size and stride in Megatron's rank order, each link level a rank's ep peers are reached
+        over (and how many), and the domains of the fastest level the group spans."""
+        if self.plan.ep == 1:
+            return None
+        group = expert_groups(self.plan)["ep"]
+        shares = level_shares(group, self.cluster)
+        inside = shares[0].peers + 1 if shares and shares[0].link == self.cluster.links[0] else 1
+        return {"ep": group.size, "stride": group.stride, "fast_domains": group.size // inside,
+                "links": [{"link": s.link.name, "peers": s.peers, "bandwidth_gb_per_s": s.link.bandwidth_gb_per_s}
+                          for s in shares]}
 
 
 def predict(model: ModelSpec, cluster: ClusterSpec, plan: ParallelPlan) -> Prediction:
@@ -106,5 +120,5 @@ def to_json(p: Prediction) -> dict[str, Any]:
                                "p2p": s.p2p, "total": s.total} for s in p.time.stages],
                    "slowest_stage": p.time.slowest_stage, "a2a_one_way": p.time.a2a_one_way},
         "mfu": p.rate.mfu, "tflops_per_gpu": p.rate.tflops_per_gpu, "tokens_per_s": p.rate.tokens_per_s,
-        "bottleneck": p.rate.bottleneck,
+        "bottleneck": p.rate.bottleneck, "expert_placement": p.expert_placement(),
     }

@@ -67,14 +67,27 @@ def _powers_of_two(limit: int) -> list[int]:
     return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
 
 
+TP_ACROSS_NODES = 8
+"""Largest tp searched across nodes that share an NVLink domain: tensor parallelism exchanges
+activations in every layer and thins every GEMM, and 8 is the largest tp an 8-GPU server allows; the
+search keeps that bound where NVLink spans nodes (a planning choice, not a hardware limit)."""
+
+
+def tp_limit(cluster: ClusterSpec) -> int:
+    """The largest tp the search tries: a node, or up to :data:`TP_ACROSS_NODES` GPUs where the
+    fastest link's domain spans nodes (GB200 NVL72: 4 GPUs per tray, 72 per NVLink domain)."""
+    domain = cluster.fast_domain_gpus or cluster.gpus_per_node
+    return max(cluster.gpus_per_node, min(domain, TP_ACROSS_NODES))
+
+
 def default_space(model: ModelSpec, cluster: ClusterSpec, gpus: int) -> SearchSpace:
-    """tp within a node, pp up to the layer count, ep over powers of two and divisors of the experts."""
+    """tp within the fastest link's domain (:func:`tp_limit`), pp up to the layer count, ep over powers of two and divisors of the experts."""
     pp = sorted({p for p in _powers_of_two(min(gpus, model.num_layers))} | {d for d in divisors(model.num_layers) if d <= gpus})
     ep = [1]
     if model.is_moe:
         ep = sorted(({e for e in _powers_of_two(gpus)} | set(divisors(model.num_experts))) - {0})
         ep = [e for e in ep if e <= gpus]
-    space = SearchSpace(tp=tuple(_powers_of_two(min(cluster.gpus_per_node, gpus))), pp=tuple(pp), ep=tuple(ep))
+    space = SearchSpace(tp=tuple(_powers_of_two(min(tp_limit(cluster), gpus))), pp=tuple(pp), ep=tuple(ep))
     if not model.is_moe:
         space = SearchSpace(tp=space.tp, pp=space.pp, ep=(1,), etp_equals_tp=(True,), a2a=(UNPIPELINED,))
     return space

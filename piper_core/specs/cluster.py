@@ -3,6 +3,8 @@
 Units are in the names (GiB, GB/s, us, TFLOPS); bandwidths are per GPU and per direction.
 Link levels are ordered from the fastest, smallest domain (inside a node) outwards; each
 level says how many GPUs share that domain (``domain_gpus``), the outermost covering the system.
+The fastest level spans a node or whole nodes: an NVLink domain may hold several nodes (GB200
+NVL72: 18 trays of 4 GPUs, ``presets/clusters/gb200-nvl72.yaml``).
 """
 
 from __future__ import annotations
@@ -180,10 +182,12 @@ class ClusterSpec:
         if not 1 <= len(self.links) <= 3:
             raise SpecError("links", len(self.links), "needs 1 to 3 link levels (intra-node, inter-node, "
                             "optionally a group level)", "list the levels from fastest to slowest")
-        if len(self.links) > 1 and self.links[0].domain_gpus != self.gpus_per_node:
-            raise SpecError(f"links[{self.links[0].name}].domain_gpus", self.links[0].domain_gpus,
-                            f"the first (intra-node) level must span gpus_per_node ({self.gpus_per_node})",
-                            f"set it to {self.gpus_per_node}")
+        first = self.links[0].domain_gpus
+        if len(self.links) > 1 and (first < self.gpus_per_node or first % self.gpus_per_node):
+            raise SpecError(f"links[{self.links[0].name}].domain_gpus", first,
+                            f"the first (fastest) level must span whole nodes: gpus_per_node ({self.gpus_per_node}) "
+                            "or a multiple of it (an NVLink domain across nodes, e.g. GB200 NVL72's)",
+                            f"set it to {self.gpus_per_node} or a multiple of it")
         if self.links[-1].domain_gpus is not None:
             raise SpecError(f"links[{self.links[-1].name}].domain_gpus", self.links[-1].domain_gpus,
                             "the last level must span the whole system", "set it to null")
@@ -192,6 +196,24 @@ class ClusterSpec:
             if outer % inner:
                 raise SpecError("links.domain_gpus", sizes, "each level's domain must be a multiple of the "
                                 "one inside it", "order levels fastest first with growing domains")
+
+    @property
+    def fast_domain_gpus(self) -> int | None:
+        """GPUs in one domain of the fastest link level (None: one level spans the system). The node
+        (``gpus_per_node``) on an 8-GPU NVLink server; more than a node where NVLink spans nodes, as
+        in GB200 NVL72, where 18 trays of 4 GPUs share one NVLink domain. Piper's hierarchical and
+        deduplicated exchanges group ranks by this domain, not by node."""
+        return self.links[0].domain_gpus
+
+    def exchange_domain_ranks(self, ranks_per_node: int | None = None) -> int:
+        """Consecutive ranks Piper's hierarchical and deduplicated exchanges treat as one domain (their
+        first stage stays inside it), as the model prices them: the fastest link's domain where it
+        spans nodes (GB200 NVL72), else a node -- ``ranks_per_node`` as the launcher states it, or
+        ``gpus_per_node``."""
+        fast = self.fast_domain_gpus
+        if fast is not None and fast > self.gpus_per_node:
+            return fast
+        return ranks_per_node or self.gpus_per_node
 
     @property
     def host_capacity_gib(self) -> float:

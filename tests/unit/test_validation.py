@@ -131,7 +131,7 @@ NV, IB = H100.links
 
 CLUSTER_RULES = [
     (dict(links=()), r"links=0: needs 1 to 3 link levels"),
-    (dict(links=(dataclasses.replace(NV, domain_gpus=4), IB)), r"links\[nvlink\].domain_gpus=4: the first \(intra-node\) level must span gpus_per_node \(8\)"),
+    (dict(links=(dataclasses.replace(NV, domain_gpus=4), IB)), r"links\[nvlink\].domain_gpus=4: the first \(fastest\) level must span whole nodes: gpus_per_node \(8\) or a multiple"),
     (dict(links=(NV, dataclasses.replace(IB, domain_gpus=64))), r"links\[infiniband\].domain_gpus=64: the last level must span the whole system"),
     (dict(links=(NV, LinkLevel(name="group", domain_gpus=12, bandwidth_gb_per_s=25, latency_us=5), IB)),
      r"links.domain_gpus=\[8, 12\]: each level's domain must be a multiple"),
