@@ -30,6 +30,13 @@ def overlap_suffix(plan: ParallelPlan) -> str:
                                    (plan.defer_wgrad, "+dwg")) if on)
 
 
+def fp8_label(plan: ParallelPlan) -> str:
+    """`` fp8:hybrid/delayed`` (``+param`` with FP8 parameters) for an FP8 plan, else ``""``."""
+    if plan.fp8 is None:
+        return ""
+    return f" fp8:{plan.fp8}/{plan.fp8_recipe}" + ("+param" if plan.fp8_param else "")
+
+
 def plan_label(plan: ParallelPlan, *, gbs: bool = False) -> str:
     """Compact plan label used by every report, e.g.
     ``tp2 pp4 vpp2 cp1 ep8 etp1 mbs1 sel dopt hierarchical/4`` (``gbs``: with the global batch;
@@ -41,7 +48,7 @@ def plan_label(plan: ParallelPlan, *, gbs: bool = False) -> str:
                                             ("last", plan.num_layers_in_last_pipeline_stage)) if v)
     batch = f" gbs{plan.global_batch_size}" if gbs else ""
     savers = (" gbf16" if plan.grad_reduce_in_bf16 else "") + (
-        f" off{plan.optimizer_offload_fraction:g}" if plan.optimizer_offload_fraction else "")
+        f" off{plan.optimizer_offload_fraction:g}" if plan.optimizer_offload_fraction else "") + fp8_label(plan)
     return (f"tp{plan.tp} pp{plan.pp}{split} vpp{plan.virtual_stages} cp{plan.cp} ep{plan.ep} etp{plan.etp_size} "
             f"mbs{plan.micro_batch_size}{batch} {rc} {'dopt' if plan.distributed_optimizer else 'nodopt'}{savers} {a2a}")
 
@@ -139,6 +146,10 @@ def parallel_flags(model: ModelSpec, plan: ParallelPlan, accelerator: Accelerato
     flags += [("--micro-batch-size", plan.micro_batch_size), ("--global-batch-size", plan.global_batch_size)]
     if plan.precision != "fp32":  # fp32 training is Megatron's default: neither --bf16 nor --fp16
         flags.append((f"--{plan.precision}", None))
+    if plan.fp8 is not None:  # TransformerConfig.fp8 / fp8_recipe / fp8_param (--fp8-param-gather)
+        flags += [("--fp8-format", plan.fp8), ("--fp8-recipe", plan.fp8_recipe)]
+        if plan.fp8_param:
+            flags.append(("--fp8-param-gather", None))
     flags.append(("--attention-backend", plan.attention_backend))
     if plan.recompute == "selective":  # validate_args: no --recompute-method with selective
         flags.append(("--recompute-granularity", "selective"))
@@ -237,6 +248,8 @@ def deepspeed_compatible(plan: ParallelPlan) -> str | None:
     smaller last stage Megatron's uneven split uses. ZeRO-Offload moves all of the optimizer or,
     with ``ratio``, part of it under ZeRO-3 only (``DeepSpeedZeroOffloadOptimizerConfig``).
     """
+    if plan.fp8 is not None:
+        return f"fp8={plan.fp8}: DeepSpeed-MoE's layers run no FP8 GEMMs (Transformer Engine's are Megatron's)"
     if plan.tp > 1:
         return f"tp={plan.tp}: the DeepSpeed export has no tensor parallelism (it would need Megatron-DeepSpeed's mpu)"
     if plan.etp_size > 1:

@@ -20,7 +20,8 @@ KEYS: dict[str, str] = {
     "recompute": "recompute", "recompute_method": "recompute_method",
     "recompute_layers": "recompute_num_layers", "dist_opt": "distributed_optimizer",
     "grad_bf16": "grad_reduce_in_bf16", "offload": "optimizer_offload_fraction",
-    "precision": "precision", "attention": "attention_backend", "a2a": "a2a", "chunks": "a2a_chunks",
+    "precision": "precision", "fp8": "fp8", "fp8_recipe": "fp8_recipe", "fp8_param": "fp8_param",
+    "attention": "attention_backend", "a2a": "a2a", "chunks": "a2a_chunks",
     "shx": "shared_expert_overlap", "epov": "ep_comm_overlap", "dwg": "defer_wgrad",
     "p2pov": "overlap_p2p_comm", "grouped_gemm": "moe_grouped_gemm",
     "first_stage_layers": "num_layers_in_first_pipeline_stage",
@@ -28,7 +29,7 @@ KEYS: dict[str, str] = {
 }
 _INTS = {"tp", "pp", "vpp", "ep", "etp", "cp", "mbs", "gbs", "recompute_layers", "chunks",
          "first_stage_layers", "last_stage_layers"}
-_BOOLS = {"sp", "dist_opt", "grad_bf16", "shx", "epov", "dwg", "p2pov", "grouped_gemm"}
+_BOOLS = {"sp", "dist_opt", "grad_bf16", "shx", "epov", "dwg", "p2pov", "grouped_gemm", "fp8_param"}
 _FLOATS = {"offload"}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -48,6 +49,8 @@ def _value(key: str, raw: str) -> Any:
         if raw.lower() in _TRUE | _FALSE:
             return raw.lower() in _TRUE
         raise SpecError(f"--parallel {key}", raw, "must be a boolean", f"write {key}=1 or {key}=0")
+    if key == "fp8" and raw.lower() in {"none", "off", "0"}:
+        return None
     return raw
 
 

@@ -391,7 +391,21 @@ def layer_activation_terms(model: ModelSpec, plan: ParallelPlan, *, moe: bool, r
                    ds=ds)
     if model.hidden_dropout > 0:
         out["mlp_bda.dropout_mask"] = d.local * model.hidden_size * kernels.dropout_mask_bytes  # Korthikanti sbh
+    if plan.fp8 is not None and not ds:
+        for key in FP8_SAVED_INPUTS + (() if moe else ("mlp.input",)):
+            if key in out:
+                out[key] //= d.act  # the quantized input, 1 byte an element
     return out
+
+
+FP8_SAVED_INPUTS = ("linear_qkv.input", "linear_proj.input", "linear_q_down/kv_down.input", "q_norm.output",
+                    "kv_norm.output", "experts.input", "experts.fc2_input", "shared_experts.fc2_input",
+                    "mlp.fc2_input")
+"""The inputs of FP8 linears a layer keeps for backward: in an FP8 plan Transformer Engine's linears
+(``LayerNormLinear``, ``Linear``, ``GroupedLinear``) save the input they quantized, 1 byte an
+element, not the bf16 tensor. A dense layer's ``mlp.input`` (fc1's) is one of them; a MoE layer's
+stays bf16, as the router (fp32 GEMM) keeps it too. Norm inputs, attention's q/k/v and softmax, the
+activation function's input and the router's tensors stay in the plan's precision."""
 
 
 def layer_activation_bytes(model: ModelSpec, plan: ParallelPlan, *, moe: bool, recomputed: bool = True,

@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from piper_core.resource import activations
-from piper_core.resource.params import ParamCount, stage_params
+from piper_core.resource.params import ParamCount, stage_layer_params, stage_params
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.compat import stage_kinds
 from piper_core.specs.model import ModelSpec
@@ -65,6 +65,7 @@ class StageMemory:
     workspace: int = 0  # framework buffers kept from the first forward on (activations.workspace_bytes)
     unsaved: int = 0  # of ``activations``: kept outside autograd's saved tensors (activations.UNSAVED)
     host: int = 0  # offloaded optimizer state on the host (not part of ``total``)
+    fp8_weights: int = 0  # of ``params``, the weights an FP8 plan runs in FP8 (0 in other plans)
 
     @property
     def total(self) -> int:
@@ -94,11 +95,20 @@ class StateBytes:
         return self.weights + self.gradients + self.optimizer
 
 
-def _state_bytes(params: ParamCount, plan: ParallelPlan) -> StateBytes:
+FP8_WEIGHT_CACHE_BYTES = 2
+"""Bytes per FP8 linear weight Transformer Engine keeps besides the bf16 parameter in an FP8 plan
+without ``fp8_param``: the weight quantized once per step and reused by every micro-batch, and its
+transpose for the backward GEMMs (Hopper's FP8 GEMMs take only the TN layout). With ``fp8_param``
+(``--fp8-param-gather``) the parameter itself is that FP8 weight (1 byte) and its transpose (1),
+the 2 bytes of a bf16 parameter: no cache on top."""
+
+
+def _state_bytes(params: ParamCount, plan: ParallelPlan, fp8_weights: int = 0) -> StateBytes:
     """Weights, gradients, optimizer state (GPU and host) and the step's fp32 gradient copy for ``params``.
 
     An offloaded share keeps fp32 master weights, Adam m and v (12 bytes) and a pinned fp32
     gradient copy (4 bytes) per parameter on the host (Megatron ``HybridDeviceOptimizer``).
+    ``fp8_weights``: of ``params``, the weights an FP8 plan runs in FP8 (:data:`FP8_WEIGHT_CACHE_BYTES`).
     """
     grad_bytes = plan.grad_bytes
     fp32_grads = grad_bytes == 4
@@ -112,7 +122,9 @@ def _state_bytes(params: ParamCount, plan: ParallelPlan) -> StateBytes:
     # (``.float()`` returns it), transient without offload, kept for good by the GPU share with it
     grad_copy = 0 if fp32_grads else 4 * shard
     optimizer = ((8 if fp32_weights else 12) * shard + (grad_copy if offload else 0)) * (1 - offload)
-    return StateBytes(weights=(4 if fp32_weights else 2) * params.total, gradients=grad_bytes * params.total, optimizer=math.ceil(optimizer),
+    cache = FP8_WEIGHT_CACHE_BYTES * fp8_weights if plan.fp8 is not None and not plan.fp8_param else 0
+    return StateBytes(weights=(4 if fp32_weights else 2) * params.total + cache, gradients=grad_bytes * params.total,
+                      optimizer=math.ceil(optimizer),
                       step_gradients=0 if offload else math.ceil(grad_copy), host=math.ceil(16 * shard * offload))
 
 
@@ -221,7 +233,7 @@ def with_state_of(stages: tuple[StageMemory, ...], plan: ParallelPlan) -> tuple[
     For plans that differ only in how state is kept (bf16 gradients, optimizer offload): the
     activations and buffers do not change, so the search re-prices only the state.
     """
-    return tuple(_with_state(s, _state_bytes(s.params, plan)) for s in stages)
+    return tuple(_with_state(s, _state_bytes(s.params, plan, s.fp8_weights)) for s in stages)
 
 
 def _with_state(s: StageMemory, state: StateBytes) -> StageMemory:
@@ -236,8 +248,9 @@ def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
     kernels = activations.kernels_for(cluster.accelerator)
     buffers, last_buffers = _buffers(model, plan, kernels)
     workspace = activations.workspace_bytes(model, plan, kernels)
+    fp8_weights = stage_layer_params(model, plan) if plan.fp8 is not None else (0,) * plan.pp
     for rank, chunks in enumerate(stage_kinds(model, plan)):
-        state = _state_bytes(params[rank], plan)
+        state = _state_bytes(params[rank], plan, fp8_weights[rank])
         acts, saved = _stage_activations(model, plan, rank, chunks, kernels)
         out.append(StageMemory(
             stage=rank, layers=sum(len(c) for c in chunks), params=params[rank], weights=state.weights,
@@ -245,5 +258,6 @@ def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
             activations=acts, unsaved=acts - saved,
             buffers=last_buffers if rank == plan.pp - 1 else buffers,
             overhead=round(cluster.memory_overhead_gib * GIB), workspace=workspace, host=state.host,
+            fp8_weights=fp8_weights[rank],
         ))
     return tuple(out)

@@ -136,12 +136,7 @@ def _stage_params(model: ModelSpec, tp: int, ep: int, etp: int, pp: int, vpp: in
     plan = ParallelPlan(gpus=tp * pp * ep * etp, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, global_batch_size=ep * etp,
                         sequence_parallel=tp > 1, num_layers_in_first_pipeline_stage=first,
                         num_layers_in_last_pipeline_stage=last)
-    kinds = {moe: _layer_params(model, plan.tp, plan.ep, plan.etp_size, moe) if moe in model.moe_layer_pattern
-             else ParamCount() for moe in (False, True)}
-    for rank, chunks in enumerate(stage_kinds(model, plan)):
-        moe_layers = sum(sum(chunk) for chunk in chunks)
-        dense_layers = sum(len(chunk) for chunk in chunks) - moe_layers
-        count = kinds[False].scaled(dense_layers) + kinds[True].scaled(moe_layers)
+    for rank, count in enumerate(_layers_params(model, plan)):
         extra = 0
         if rank == 0:
             extra += embedding_params(model, plan.tp)
@@ -151,6 +146,25 @@ def _stage_params(model: ModelSpec, tp: int, ep: int, etp: int, pp: int, vpp: in
                 extra += model.padded_vocab(plan.tp) // plan.tp * model.hidden_size
         out.append(count + ParamCount(dense=extra))
     return tuple(out)
+
+
+def _layers_params(model: ModelSpec, plan: ParallelPlan) -> list[ParamCount]:
+    """Per pipeline rank: the parameters of its transformer layers (no embedding, final norm or
+    output layer)."""
+    kinds = {moe: _layer_params(model, plan.tp, plan.ep, plan.etp_size, moe) if moe in model.moe_layer_pattern
+             else ParamCount() for moe in (False, True)}
+    out = []
+    for chunks in stage_kinds(model, plan):
+        moe_layers = sum(sum(chunk) for chunk in chunks)
+        dense_layers = sum(len(chunk) for chunk in chunks) - moe_layers
+        out.append(kinds[False].scaled(dense_layers) + kinds[True].scaled(moe_layers))
+    return out
+
+
+def stage_layer_params(model: ModelSpec, plan: ParallelPlan) -> tuple[int, ...]:
+    """Per pipeline rank: parameters of its transformer layers on one GPU -- the weights of the
+    linears an FP8 plan runs in FP8, with the layers' norms and routers (a few thousandths of them)."""
+    return tuple(c.total for c in _layers_params(model, plan))
 
 
 def _unsplit(model: ModelSpec, gpus: int = 1) -> ParallelPlan:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from piper_core.errors import Infeasible, SpecError
 from piper_core.resource import activations
 from piper_core.resource.memory import GIB, _state_bytes, peak_bytes, stage_memory
-from piper_core.resource.params import stage_params
+from piper_core.resource.params import stage_layer_params, stage_params
 from piper_core.resource.predict import Prediction, predict
 from piper_core.scheduler.space import UNPIPELINED, A2AVariant, SearchSpace, default_space, pipeline_split
 from piper_core.specs.cluster import ClusterSpec
@@ -246,6 +246,7 @@ class _Scan:
                     kwargs["attention_backend"] = self.attention_backend
                     kwargs["defer_wgrad"] = space.defer_wgrad and combo[4] > 1
                     kwargs["precision"] = space.precision
+                    kwargs["fp8"], kwargs["fp8_recipe"] = space.fp8, space.fp8_recipe
                     try:
                         base, error = ParallelPlan(**kwargs), None
                         check_plan(model, base)
@@ -459,9 +460,10 @@ class _Memory:
         if state is None:
             candidate = self._candidate(plan, saver)
             state = {}
-            for params in stage_params(self.model, plan):
+            fp8 = stage_layer_params(self.model, plan) if plan.fp8 is not None else (0,) * plan.pp
+            for params, fp8_weights in zip(stage_params(self.model, plan), fp8):
                 if params not in state:
-                    bytes_ = _state_bytes(params, candidate)
+                    bytes_ = _state_bytes(params, candidate, fp8_weights)
                     state[params] = (bytes_.persistent, bytes_.host, bytes_.step_gradients)
             self.states[key] = state
         return state

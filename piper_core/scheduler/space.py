@@ -34,7 +34,9 @@ class SearchSpace:
     ``defer_wgrad``: every plan with ep > 1 defers its experts' weight gradients (a runtime that asks
     for it, e.g. a DeepSpeed ``piper`` block with ``"defer_wgrad": true``; never varied by the search,
     as it only hides time where a runtime runs it). ``precision``: every plan's (``fp32`` for a job that
-    trains in fp32: bf16 gradient reduction and optimizer offload then do not apply).
+    trains in fp32: bf16 gradient reduction and optimizer offload then do not apply). ``fp8`` and
+    ``fp8_recipe``: every plan's FP8 setting (``piper plan --fp8``), not searched: FP8 is a choice of
+    numerics a team makes, not a free parameter of the plan.
     """
 
     tp: tuple[int, ...]
@@ -52,6 +54,8 @@ class SearchSpace:
     shared_expert_overlap: bool = True
     defer_wgrad: bool = False
     precision: str = "bf16"
+    fp8: str | None = None
+    fp8_recipe: str = "delayed"
 
     @property
     def size(self) -> int:

@@ -37,11 +37,21 @@ def divides(key: str, value: int, other_key: str, other: int) -> None:
         )
 
 
+def _allowed(hint: object) -> tuple[object, ...] | None:
+    """The values a ``Literal[...]`` (or ``Literal[...] | None``) hint allows; None for other hints."""
+    if typing.get_origin(hint) is typing.Literal:
+        return typing.get_args(hint)
+    args = typing.get_args(hint)
+    if type(None) in args and len(args) == 2:
+        inner = _allowed(next(a for a in args if a is not type(None)))
+        return None if inner is None else (*inner, None)
+    return None
+
+
 @functools.cache
 def _literal_fields(cls: type) -> tuple[tuple[str, tuple[object, ...]], ...]:
     hints = typing.get_type_hints(cls)
-    return tuple((f.name, typing.get_args(hints[f.name])) for f in dataclasses.fields(cls)
-                 if typing.get_origin(hints[f.name]) is typing.Literal)
+    return tuple((f.name, allowed) for f in dataclasses.fields(cls) if (allowed := _allowed(hints[f.name])) is not None)
 
 
 def literals(spec: object) -> None:
@@ -49,7 +59,7 @@ def literals(spec: object) -> None:
     for name, allowed in _literal_fields(type(spec)):
         value = getattr(spec, name)
         if value not in allowed:
-            guess = nearest(str(value), [str(a) for a in allowed])
+            guess = nearest(str(value), [str(a) for a in allowed if a is not None])
             hint = f"did you mean '{guess}'? " if guess else ""
             raise SpecError(name, value, f"must be one of {list(allowed)}", f"{hint}use one of {list(allowed)}")
 

@@ -16,7 +16,8 @@ from typing import Literal
 from piper_core.errors import SpecError
 from piper_core.specs._check import freeze_hash, fraction, non_negative, positive
 
-Precision = Literal["bf16", "fp16", "fp32"]
+Precision = Literal["bf16", "fp16", "fp32", "fp8"]
+"""What a GEMM runs in: a plan's precision, or ``fp8`` for the GEMMs an FP8 plan runs in FP8."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,6 +84,7 @@ class AcceleratorSpec:
     peak_tflops_bf16: float
     peak_tflops_fp16: float
     peak_tflops_fp32: float
+    peak_tflops_fp8: float | None = None
     hbm_gib: float
     hbm_gb_per_s: float
     gemm_efficiency: float = 0.7
@@ -108,6 +110,7 @@ class AcceleratorSpec:
         for key in ("peak_tflops_bf16", "peak_tflops_fp16", "peak_tflops_fp32", "hbm_gib", "hbm_gb_per_s"):
             positive(f"accelerator.{key}", getattr(self, key))
         positive("accelerator.elementwise_gb_per_s", self.elementwise_gb_per_s, allow_none=True)
+        positive("accelerator.peak_tflops_fp8", self.peak_tflops_fp8, allow_none=True)
         fraction("accelerator.core_share", self.core_share)
         fraction("accelerator.gemm_efficiency", self.gemm_efficiency)
         if isinstance(self.gemm_half_size, bool) or not 0.0 <= self.gemm_half_size < math.inf:
@@ -118,7 +121,14 @@ class AcceleratorSpec:
         non_negative("accelerator.kernel_latency_us", self.kernel_latency_us)
 
     def peak_flops(self, precision: Precision) -> float:
-        """Dense peak in FLOP/s for ``precision`` (MFU is measured against this, never sparse peak)."""
+        """Dense peak in FLOP/s for ``precision`` (MFU is measured against the plan's precision's,
+        bf16 for an FP8 plan as Megatron-Bridge reports it; never a sparse peak)."""
+        if precision == "fp8":
+            if self.peak_tflops_fp8 is None:
+                raise SpecError("accelerator.peak_tflops_fp8", None, f"{self.name} has no FP8 peak, so an fp8 plan "
+                                "cannot be priced on it (A100 and MI250X have no FP8 tensor cores)",
+                                "train in bf16 (fp8=none), or give the cluster's dense FP8 peak")
+            return self.peak_tflops_fp8 * 1e12
         return {"bf16": self.peak_tflops_bf16, "fp16": self.peak_tflops_fp16,
                 "fp32": self.peak_tflops_fp32}[precision] * 1e12
 

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from piper_core.specs.cluster import AcceleratorSpec
 
 Recompute = Literal["none", "selective", "full"]
+Fp8Format = Literal["e4m3", "hybrid"]
+Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
 A2AAlgorithm = Literal["flat", "hierarchical", "dedup"]
 LEGACY_PIPELINED = "pipelined"
 
@@ -55,6 +57,14 @@ class ParallelPlan:
     default (``AcceleratorSpec.grouped_gemm``: on for the GPU presets, off for CPU ranks, which run
     ``SequentialMLP``).
 
+    ``fp8``: FP8 GEMMs through Transformer Engine (Megatron ``--fp8-format``: ``e4m3``, or ``hybrid``
+    with e5m2 gradients), on a bf16 plan; ``fp8_recipe`` its scaling (``--fp8-recipe``, Megatron's
+    default ``delayed``; ``mxfp8`` is Blackwell's); ``fp8_param`` keeps the GEMM weights in FP8 and
+    all-gathers them so (``--fp8-param-gather``, with the distributed optimizer only: Megatron
+    ``validate_args``). What runs in FP8 and what stays bf16/fp32: :func:`piper_core.timing.compute.linear_time`
+    (time), :data:`piper_core.resource.memory.FP8_WEIGHT_CACHE_BYTES` and
+    :data:`piper_core.resource.activations.FP8_SAVED_INPUTS` (memory).
+
     ``a2a``: the expert exchange. ``flat`` (one all-to-all, Megatron's alltoall dispatcher) and
     ``hierarchical`` (intra-node, then inter-node; Piper's) send a token once per selected expert;
     ``dedup`` sends it across nodes once per destination node and fans it out there (DeepEP or
@@ -79,6 +89,9 @@ class ParallelPlan:
     grad_reduce_in_bf16: bool = False
     optimizer_offload_fraction: float = 0.0
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    fp8: Fp8Format | None = None
+    fp8_recipe: Fp8Recipe = "delayed"
+    fp8_param: bool = False
     attention_backend: Literal["flash", "unfused"] = "flash"
     a2a: A2AAlgorithm = "flat"
     a2a_chunks: int = 1
@@ -160,6 +173,8 @@ class ParallelPlan:
         if self.grad_reduce_in_bf16 and self.precision != "bf16":
             raise SpecError("grad_reduce_in_bf16", True, f"needs precision bf16 (got {self.precision})",
                             "set precision=bf16 or grad_reduce_in_bf16=false")
+        if self.fp8 is not None or self.fp8_param or self.fp8_recipe != "delayed":
+            self._check_fp8()
         if self.ep_comm_overlap:
             self._check_ep_comm_overlap()
         if self.a2a == "dedup":
@@ -170,6 +185,20 @@ class ParallelPlan:
         if self.defer_wgrad and self.ep_comm_overlap:
             raise SpecError("defer_wgrad", True, "and ep_comm_overlap both move the experts' weight gradients (Megatron's "
                             "overlap brings its own --delay-wgrad-compute)", "set defer_wgrad=false with ep_comm_overlap")
+
+    def _check_fp8(self) -> None:
+        """Megatron-Core 0.16's rules for FP8 (``TransformerConfig``, ``validate_args``)."""
+        rules = ((self.fp8 is None, "fp8_recipe" if not self.fp8_param else "fp8_param",
+                  self.fp8_param or self.fp8_recipe, "applies only to FP8 training",
+                  "set fp8=hybrid (or e4m3), or drop it"),
+                 (self.precision != "bf16", "fp8", self.fp8, f"runs on a bf16 plan (got precision {self.precision}): "
+                  "Transformer Engine's FP8 GEMMs take bf16 inputs and keep bf16 weights", "set precision=bf16"),
+                 (self.fp8_param and not self.distributed_optimizer, "fp8_param", True,
+                  "--fp8-param-gather needs the distributed optimizer (Megatron validate_args)",
+                  "set distributed_optimizer, or fp8_param=false"))
+        for broken, key, value, rule, fix in rules:
+            if broken:
+                raise SpecError(key, value, rule, fix)
 
     def _check_dedup(self) -> None:
         """Megatron-Core 0.16's flex dispatcher (MoEFlexTokenDispatcher, token_dispatcher.py)."""

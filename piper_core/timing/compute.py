@@ -31,8 +31,14 @@ BYTES = 2  # bf16 / fp16 activations and weights (see element_bytes)
 
 def element_bytes(precision: str) -> int:
     """Bytes of one activation or weight element in ``precision``: 4 in fp32 training (Megatron
-    with neither --bf16 nor --fp16), else 2 (bf16 / fp16)."""
-    return 4 if precision == "fp32" else BYTES
+    with neither --bf16 nor --fp16), 1 for an FP8 GEMM's operands, else 2 (bf16 / fp16)."""
+    return 4 if precision == "fp32" else 1 if precision == "fp8" else BYTES
+
+
+FP8_CAST_BYTES = 3
+"""Bytes an FP8 GEMM's input costs to quantize, per element: read bf16 (2), write FP8 (1). Transformer
+Engine casts each FP8 linear's input in forward and the output gradient in backward (the backward
+is priced as a multiple of the forward, so this term is too)."""
 
 
 def gemm_time(acc: AcceleratorSpec, precision: str, m: float, n: float, k: float, *, batch: float = 1) -> float:
@@ -79,6 +85,19 @@ def stream_time(acc: AcceleratorSpec, nbytes: float, *, elementwise: bool = True
     return nbytes / (acc.hbm_gb_per_s * 1e9 * acc.hbm_efficiency) / acc.core_share
 
 
+def linear_time(acc: AcceleratorSpec, shape: LayerShape, m: float, n: float, k: float, *, count: int = 0) -> float:
+    """One of a layer's linears, ``[m, k] x [k, n]`` (``count`` > 0: a grouped GEMM of that many,
+    :func:`grouped_gemm_time`), as the plan runs it: in its precision, or with ``shape.fp8`` as
+    Transformer Engine's FP8 GEMM at the FP8 peak after quantizing its input (:data:`FP8_CAST_BYTES`).
+    Only these run in FP8: core attention, the router (fp32), the output layer and every element-wise
+    kernel stay in the plan's precision (Megatron-Core's TE spec: ``TELayerNormColumnParallelLinear``,
+    ``TERowParallelLinear``, ``TEGroupedMLP``; the output layer is a ``ColumnParallelLinear``)."""
+    precision = "fp8" if shape.fp8 else shape.precision
+    batch = max(count, 1)
+    gemm = grouped_gemm_time(acc, precision, m, n, k, count) if count else gemm_time(acc, precision, m, n, k)
+    return gemm + (stream_time(acc, FP8_CAST_BYTES * m * k * batch) if shape.fp8 else 0.0)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LayerShape:
     """The parts of a plan that change one layer's cost (cache key; pp, dp, batch do not)."""
@@ -98,6 +117,7 @@ class LayerShape:
     deferred_wgrad: bool = False  # expert weight gradients computed while the dispatch gradient is in flight
     grouped_gemm: bool | None = None  # the plan's moe_grouped_gemm (None: the accelerator's default)
     ep_overlap: float = 0.0  # share of micro-batches whose exchanges Megatron's EP overlap hides
+    fp8: bool = False  # the plan's Transformer Engine linears run FP8 GEMMs (ParallelPlan.fp8)
 
     def tokens_for(self, model: ModelSpec) -> int:
         """Tokens a tp rank's GEMMs see: the micro-batch's [s/cp, b] (gathered under SP)."""
@@ -111,20 +131,20 @@ def attention_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec)
     mla = model.mla
     if mla is None:
         d, g = model.head_dim, model.query_groups
-        proj = gemm_time(acc, prec, t, (model.num_attention_heads + 2 * g) * d / tp, h)
-        proj += gemm_time(acc, prec, t, h, model.num_attention_heads * d / tp)
+        proj = linear_time(acc, shape, t, (model.num_attention_heads + 2 * g) * d / tp, h)
+        proj += linear_time(acc, shape, t, h, model.num_attention_heads * d / tp)
         qk_dim, v_dim = d, d
     else:
         q_head = mla.qk_head_dim + mla.qk_pos_emb_head_dim
         if mla.q_lora_rank is None:
-            proj = gemm_time(acc, prec, t, model.num_attention_heads * q_head / tp, h)
+            proj = linear_time(acc, shape, t, model.num_attention_heads * q_head / tp, h)
         else:
-            proj = gemm_time(acc, prec, t, mla.q_lora_rank, h)
-            proj += gemm_time(acc, prec, t, model.num_attention_heads * q_head / tp, mla.q_lora_rank)
-        proj += gemm_time(acc, prec, t, mla.kv_lora_rank + mla.qk_pos_emb_head_dim, h)
-        proj += gemm_time(acc, prec, t, model.num_attention_heads * (mla.qk_head_dim + mla.v_head_dim) / tp,
+            proj = linear_time(acc, shape, t, mla.q_lora_rank, h)
+            proj += linear_time(acc, shape, t, model.num_attention_heads * q_head / tp, mla.q_lora_rank)
+        proj += linear_time(acc, shape, t, mla.kv_lora_rank + mla.qk_pos_emb_head_dim, h)
+        proj += linear_time(acc, shape, t, model.num_attention_heads * (mla.qk_head_dim + mla.v_head_dim) / tp,
                           mla.kv_lora_rank)
-        proj += gemm_time(acc, prec, t, h, model.num_attention_heads * mla.v_head_dim / tp)
+        proj += linear_time(acc, shape, t, h, model.num_attention_heads * mla.v_head_dim / tp)
         qk_dim, v_dim = q_head, mla.v_head_dim
     # causal: on average each query sees half the keys (s/2), with load-balanced cp as well
     keys = model.seq_length / 2
@@ -148,10 +168,10 @@ def mlp_forward(model: ModelSpec, shape: LayerShape, acc: AcceleratorSpec, token
     width = ffn * (2 if model.gated_linear_unit else 1) / split
     act = stream_time(acc, element_bytes(shape.precision) * tokens * (width + ffn / split))  # activation function
     if grouped:
-        return (grouped_gemm_time(acc, shape.precision, tokens, width, model.hidden_size, count)
-                + grouped_gemm_time(acc, shape.precision, tokens, model.hidden_size, ffn / split, count) + count * act)
-    one = gemm_time(acc, shape.precision, tokens, width, model.hidden_size)
-    one += gemm_time(acc, shape.precision, tokens, model.hidden_size, ffn / split)
+        return (linear_time(acc, shape, tokens, width, model.hidden_size, count=count)
+                + linear_time(acc, shape, tokens, model.hidden_size, ffn / split, count=count) + count * act)
+    one = linear_time(acc, shape, tokens, width, model.hidden_size)
+    one += linear_time(acc, shape, tokens, model.hidden_size, ffn / split)
     one += act
     return count * one
 

@@ -54,7 +54,7 @@ def shape_of(plan: ParallelPlan) -> LayerShape:
                       mbs=plan.micro_batch_size, recompute=plan.recompute, attention_backend=plan.attention_backend,
                       precision=plan.precision, a2a=plan.a2a, chunks=plan.a2a_chunks,
                       shared_overlap=plan.shared_expert_overlap, ep_overlap=overlap, deferred_wgrad=plan.defer_wgrad,
-                      grouped_gemm=plan.moe_grouped_gemm)
+                      grouped_gemm=plan.moe_grouped_gemm, fp8=plan.fp8 is not None)
 
 
 def _tp_comm(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, blocks: int) -> tuple[float, float]:

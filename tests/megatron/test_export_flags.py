@@ -104,3 +104,30 @@ def test_nodes_per_token_matches_megatrons_router(grouped: bool) -> None:
     for nodes in (2, 4, 8, 16):
         measured = routing_map.view(tokens, nodes, -1).any(-1).sum(-1).float().mean().item()
         assert nodes_per_token(model, nodes) == pytest.approx(measured, rel=0.07), nodes
+
+
+def test_exported_fp8_flags_are_megatron_cores_own():
+    """An FP8 plan exports ``--fp8-format`` / ``--fp8-recipe`` (TransformerConfig's ``fp8`` and
+    ``fp8_recipe``, the first named by its argparse metadata) and ``--fp8-param-gather`` (Megatron-LM's
+    flag for ``fp8_param``); the real config accepts the values, and refuses ``fp8_param`` without FP8
+    as the plan does."""
+    import dataclasses
+
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from piper_core.export import parallel_flags
+    from piper_core.specs import ParallelPlan
+
+    plan = ParallelPlan(gpus=64, ep=8, global_batch_size=256, fp8="hybrid", fp8_recipe="tensorwise", fp8_param=True)
+    flags = dict(parallel_flags(load_model("qwen3-30b-a3b"), plan))
+    fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}
+    assert fields["fp8"].metadata["argparse_meta"]["arg_names"] == ["--fp8-format"]
+    assert "fp8_recipe" in fields and "fp8_param" in fields
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, fp8=flags["--fp8-format"],
+                               fp8_recipe=flags["--fp8-recipe"], fp8_param="--fp8-param-gather" in flags, bf16=True,
+                               params_dtype=torch.bfloat16, use_cpu_initialization=True)
+    assert (config.fp8, config.fp8_recipe, config.fp8_param) == ("hybrid", "tensorwise", True)
+    with pytest.raises(ValueError, match="fp8_param must be used together with fp8 mode"):
+        TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, fp8_param=True,
+                          use_cpu_initialization=True)
