@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 # disturb their timings
 REALTIME := $(if $(filter 0,$(shell id -u)),--realtime,)
 
-.PHONY: install run calibrate validate validate-fp32 validate-fp32-repeat validate-scheduler test test-unit test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e clean
+.PHONY: install run calibrate validate validate-fp32 validate-fp32-repeat validate-scheduler test test-unit test-browser browser test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -107,10 +107,25 @@ else
 endif
 
 # Every tier runs on its own so that a tier collecting no test fails the run (pytest exit 5).
-test: install test-unit test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed
+test: install test-unit test-browser test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed
 
 test-unit: install
 	$(PYTEST) tests/unit
+
+# The plan report (`piper plan --report FILE.html`) opened in Debian's headless Chromium and its ranked
+# table read back (~5 s). `browser` installs Chromium when it is missing (root; `apt-get update`
+# only when the install fails on stale or missing package lists); through make the test fails,
+# not skips, without it.
+CHROMIUM ?= /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq chromium >/dev/null 2>&1 || \
+	  { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }; }
+	@test -x $(CHROMIUM) || { echo "make browser: $(CHROMIUM) is still missing after apt-get install chromium" >&2; \
+	  exit 1; }
+
+test-browser: install browser
+	PIPER_CHROMIUM=$(CHROMIUM) PIPER_REQUIRE_BROWSER=1 $(PYTEST) tests/browser
 
 test-runtime: install
 	$(PYTEST) tests/runtime

@@ -42,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--export-megatron", metavar="FILE", help="write Megatron-LM arguments for the best plan")
     p.add_argument("--export-deepspeed", metavar="FILE", help="write a DeepSpeed JSON config for the best plan")
     p.add_argument("--plot", metavar="DIR", help="write timeline, memory and Pareto PNGs for the best plan")
+    p.add_argument("--report", metavar="FILE", help="write one self-contained HTML page for a review: the ranked "
+                                                   "plans, the best plan's memory, timeline and exports, the Pareto "
+                                                   "front and the rejections")
     p.add_argument("--detail", action="store_true", help="also print the full prediction of the best plan")
     p.add_argument("--workers", type=int, default=None,
                    help="processes that search (forked; default: the CPUs this process may use, at most "
@@ -72,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError("--top", args.top, "must be at least 1", "show e.g. --top 5 plans")
     if args.workers is not None and args.workers < 1:
         raise SpecError("--workers", args.workers, "must be at least 1", "use 1 to search in this process")
+    if args.report:
+        writable("--report", Path(args.report))  # before the search, which may take a while
     gbs = args.gbs or default_gbs(model, args.gpus)
     result = search(model, cluster, args.gpus, gbs, memory_headroom=args.memory_headroom,
                     attention_backend=args.attention, progress=Progress("searching"),
@@ -95,28 +100,92 @@ def run(args: argparse.Namespace) -> int:
             from piper_core.cli.predict import render as render_prediction
             print("\n" + render_prediction(best[0]))
         if not best:
-            n, what = min_gpus(model, cluster)
-            print(f"{model.name} needs at least {n:,} GPUs of {cluster.name} for {what} alone")
+            print(no_fit(model, cluster))
+    if args.report:
+        _report(args, model, cluster, gbs, result, best, (leading, ranked), runtimes, notes)
     return 0 if best else 1
 
 
-def _exports(args, model, cluster, best: Prediction, result: SearchResult, runtimes: dict, notes: TextIO) -> None:
+def no_fit(model: ModelSpec, cluster) -> str:
+    n, what = min_gpus(model, cluster)
+    return f"{model.name} needs at least {n:,} GPUs of {cluster.name} for {what} alone"
+
+
+def writable(flag: str, path: Path) -> None:
+    """Raise a SpecError naming ``flag`` when ``path`` cannot be written as a file."""
+    if path.is_dir():
+        raise SpecError(flag, str(path), "is a folder", f"give a file name, e.g. {flag} {path / 'plan.html'}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise SpecError(flag, str(path), f"the folder {folder} does not exist", "create it first or give another path")
+    if not os.access(folder, os.W_OK):
+        raise SpecError(flag, str(path), f"the folder {folder} is not writable", "give a path in a writable folder")
+
+
+def _report(args, model, cluster, gbs: int, result: SearchResult, best: list[Prediction], order: tuple[list, list],
+            runtimes: dict, notes: TextIO) -> None:
+    """Write ``--report FILE`` (:mod:`piper_core.report`) and say so on ``notes``."""
+    import shlex
+
+    from piper_core.export import megatron_args
+    from piper_core.report import Exports, PlanReport, render_html
+
+    exports = None
+    if best:
+        ds, reason = deepspeed_choice(best[0], runtimes)
+        note = reason if ds is None or not reason else \
+            f"{reason}; this is the best plan DeepSpeed-MoE can run: {_deepspeed_label(ds)}"
+        exports = Exports(megatron=megatron_args(best[0]), deepspeed_note=note,
+                          deepspeed=None if ds is None else deepspeed_text(ds))
+    page = PlanReport(command=shlex.join(["piper", *args.argv]), model=model, cluster=cluster, gpus=args.gpus,
+                      gbs=gbs, result=result, best=best, verdict=verdict(*order) if best else (), exports=exports,
+                      no_fit="" if best else no_fit(model, cluster))
+    path = Path(args.report)
+    try:
+        path.write_text(render_html(page), encoding="utf-8")
+    except OSError as exc:
+        raise SpecError("--report", str(path), f"cannot be written ({exc.strerror})",
+                        "give a path in a writable folder") from exc
+    print(f"wrote {path}", file=notes)
+
+
+def deepspeed_choice(best: Prediction, runtimes: dict) -> tuple[Prediction | None, str]:
+    """The plan ``--export-deepspeed`` writes (the fastest DeepSpeed-MoE runs with Piper's layer;
+    None when there is none) and why it is not ``best`` ('' when it is; why none when None)."""
     from piper_core.export import deepspeed_compatible
 
+    ds = runtimes["deepspeed piper"].prediction
+    if ds is None:
+        return None, f"no feasible plan can run on DeepSpeed-MoE ({runtimes['deepspeed piper'].why_none})"
+    if ds.plan == best.plan:
+        return ds, ""
+    why_not = deepspeed_compatible(best.plan) or RUNNERS["deepspeed piper"](best.plan)
+    return ds, f"the best plan needs Megatron ({why_not})"
+
+
+def deepspeed_text(ds: Prediction) -> str:
+    """The ``--export-deepspeed`` file of ``ds``."""
+    from piper_core.export import deepspeed_config
+
+    return json.dumps(deepspeed_config(ds), indent=2) + "\n"
+
+
+def _deepspeed_label(ds: Prediction) -> str:
+    return f"{describe(ds.plan)}, predicted MFU {100 * ds.rate.mfu:.1f}%"
+
+
+def _exports(args, model, cluster, best: Prediction, result: SearchResult, runtimes: dict, notes: TextIO) -> None:
     if args.export_megatron:
         from piper_core.export import megatron_args
         Path(args.export_megatron).write_text(megatron_args(best))
     if args.export_deepspeed:
-        from piper_core.export import deepspeed_config
-        ds = runtimes["deepspeed piper"].prediction
+        ds, reason = deepspeed_choice(best, runtimes)
         if ds is None:
-            raise SpecError("--export-deepspeed", args.export_deepspeed, "no feasible plan can run on DeepSpeed-MoE "
-                            f"({runtimes['deepspeed piper'].why_none})", "add GPUs or export for Megatron only")
-        Path(args.export_deepspeed).write_text(json.dumps(deepspeed_config(ds), indent=2) + "\n")
-        if ds.plan != best.plan:
-            why = deepspeed_compatible(best.plan) or RUNNERS["deepspeed piper"](best.plan)
-            print(f"DeepSpeed export: the best plan needs Megatron ({why}); wrote the best plan DeepSpeed-MoE can run "
-                  f"instead: {describe(ds.plan)}, predicted MFU {100 * ds.rate.mfu:.1f}%", file=notes)
+            raise SpecError("--export-deepspeed", args.export_deepspeed, reason, "add GPUs or export for Megatron only")
+        Path(args.export_deepspeed).write_text(deepspeed_text(ds))
+        if reason:
+            print(f"DeepSpeed export: {reason}; wrote the best plan DeepSpeed-MoE can run instead: "
+                  f"{_deepspeed_label(ds)}", file=notes)
     if args.plot:
         from piper_core.plots import write_plots
         write_plots(Path(args.plot), best, result)
@@ -287,16 +356,22 @@ def render(model: str, cluster: str, gpus: int, gbs: int, result: SearchResult, 
         lines.append(f"{i:>2}  {describe(p.plan):<68} {100 * p.rate.mfu:5.1f}% {p.time.step:8.3f} "
                      f"{p.peak_stage.total / GIB:6.1f}/{p.capacity_bytes / GIB:<6.1f} "
                      f"{100 * b['exposed_a2a'] / p.time.step:7.1f}% {100 * b['bubble'] / p.time.step:6.1f}%")
-    top = best[0]
-    lines += ["", f"best: {describe(top.plan)}",
-              f"  predicted MFU {100 * top.rate.mfu:.1f}% ({top.rate.tflops_per_gpu:.0f} TFLOPS/GPU, "
-              f"{top.rate.tokens_per_s:,.0f} tokens/s), step {top.time.step:.3f} s, peak memory "
-              f"{top.peak_stage.total / GIB:.1f} of {top.capacity_bytes / GIB:.1f} GiB",
-              f"  bottleneck: {top.rate.bottleneck}",
-              f"  why: {why(leading, ranked)}"]
+    lines += ["", *verdict(leading, ranked)]
     if runtimes is not None:
         lines += ["", *render_runtimes(runtimes)]
     return "\n".join(lines)
+
+
+def verdict(leading: list[Prediction], ranked: list) -> list[str]:
+    """The lines under the ranked table (``leading[0]`` the best plan): its prediction, its
+    bottleneck and :func:`why` it beat the runner-up."""
+    top = leading[0]
+    return [f"best: {describe(top.plan)}",
+            f"  predicted MFU {100 * top.rate.mfu:.1f}% ({top.rate.tflops_per_gpu:.0f} TFLOPS/GPU, "
+            f"{top.rate.tokens_per_s:,.0f} tokens/s), step {top.time.step:.3f} s, peak memory "
+            f"{top.peak_stage.total / GIB:.1f} of {top.capacity_bytes / GIB:.1f} GiB",
+            f"  bottleneck: {top.rate.bottleneck}",
+            f"  why: {why(leading, ranked)}"]
 
 
 def render_runtimes(runtimes: dict) -> list[str]:
