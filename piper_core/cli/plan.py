@@ -22,6 +22,7 @@ from piper_core.runners import RUNNERS
 from piper_core.scheduler.search import (RANK_RULES, SearchResult, best_runnable, deciding_rule, search,
                                          why_not_runnable)
 from piper_core.specs.model import ModelSpec
+from piper_core.scheduler.space import SearchSpace, default_space
 
 DEFAULT_TOKENS_PER_STEP = 4 * 1024 * 1024
 
@@ -38,6 +39,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-headroom", type=float, default=0.0,
                    help="fraction of usable memory to keep free, e.g. 0.1 (default 0)")
     p.add_argument("--attention", choices=("flash", "unfused"), default="flash", help="attention kernel (default flash)")
+    p.add_argument("--fp8", choices=("e4m3", "hybrid"),
+                   help="every plan trains with FP8 GEMMs (Megatron --fp8-format; bf16 otherwise); MFU stays against "
+                        "the dense bf16 peak")
+    p.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "blockwise", "mxfp8"),
+                   help="FP8 scaling (Megatron --fp8-recipe; default delayed); needs --fp8")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--export-megatron", metavar="FILE", help="write Megatron-LM arguments for the best plan")
     p.add_argument("--export-deepspeed", metavar="FILE", help="write a DeepSpeed JSON config for the best plan")
@@ -65,6 +71,17 @@ def default_gbs(model: ModelSpec, gpus: int) -> int:
     return -(-per_step // gpus) * gpus
 
 
+def _fp8_space(args: argparse.Namespace, model: ModelSpec, cluster) -> SearchSpace | None:
+    """The default space with every plan in FP8 (``--fp8``), or None (the default space, bf16)."""
+    recipe = getattr(args, "fp8_recipe", None)
+    if getattr(args, "fp8", None) is None:
+        if recipe is not None:
+            raise SpecError("--fp8-recipe", recipe, "applies only to FP8 training", "add --fp8 hybrid (or e4m3)")
+        return None
+    cluster.accelerator.peak_flops("fp8")  # a cluster without an FP8 peak says so before the search
+    return dataclasses.replace(default_space(model, cluster, args.gpus), fp8=args.fp8, fp8_recipe=recipe or "delayed")
+
+
 def run(args: argparse.Namespace) -> int:
     model, cluster = target_model(args), target_cluster(args)
     if args.gpus <= 0:
@@ -78,9 +95,9 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         writable("--report", Path(args.report))  # before the search, which may take a while
     gbs = args.gbs or default_gbs(model, args.gpus)
-    result = search(model, cluster, args.gpus, gbs, memory_headroom=args.memory_headroom,
-                    attention_backend=args.attention, progress=Progress("searching"),
-                    workers=args.workers or default_workers())
+    result = search(model, cluster, args.gpus, gbs, space=_fp8_space(args, model, cluster),
+                    memory_headroom=args.memory_headroom, attention_backend=args.attention,
+                    progress=Progress("searching"), workers=args.workers or default_workers())
     # --json: standard output carries the JSON object alone; notes go to standard error
     notes = sys.stderr if args.json else sys.stdout
     ranked = result.best(result.feasible)

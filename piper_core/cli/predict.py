@@ -55,6 +55,8 @@ def _si(n: float, unit: str = "") -> str:
 def _settings(plan) -> str:
     """The kernel and schedule settings a plan gives explicitly (defaults are not shown)."""
     out = " p2pov=0" if plan.vpp and not plan.overlap_p2p_comm else ""
+    if plan.fp8 is not None:
+        out += f" fp8={plan.fp8}/{plan.fp8_recipe}" + (" fp8_param=1" if plan.fp8_param else "")
     return out + (f" grouped_gemm={int(plan.moe_grouped_gemm)}" if plan.moe_grouped_gemm is not None else "")
 
 

@@ -127,7 +127,7 @@ class AcceleratorSpec:
             if self.peak_tflops_fp8 is None:
                 raise SpecError("accelerator.peak_tflops_fp8", None, f"{self.name} has no FP8 peak, so an fp8 plan "
                                 "cannot be priced on it (A100 and MI250X have no FP8 tensor cores)",
-                                "train in bf16 (fp8=none), or give the cluster's dense FP8 peak")
+                                "train in bf16 (drop --fp8, or fp8=none in --parallel), or give the cluster's dense FP8 peak")
             return self.peak_tflops_fp8 * 1e12
         return {"bf16": self.peak_tflops_bf16, "fp16": self.peak_tflops_fp16,
                 "fp32": self.peak_tflops_fp32}[precision] * 1e12

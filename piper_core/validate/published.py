@@ -188,15 +188,22 @@ def _plan(raw: dict[str, Any], model: ModelSpec, where: str) -> ParallelPlan | N
                         f"use one of {list(PRECISIONS)}", where=where)
     if "plan" not in raw:
         return None
-    if raw["precision"] == "fp8":
-        raise SpecError("plan", raw["plan"], "fp8 rows cannot be predicted (Piper prices bf16 and fp16)",
-                        "replace plan with not_predicted: 'fp8: ...'", where=where)
     fields = _mapping(raw["plan"], "plan", where)
+    precision = raw["precision"]
+    if precision == "fp8":  # a bf16 plan whose linears run FP8 GEMMs (ParallelPlan.fp8), as Megatron runs FP8
+        if fields.get("fp8") is None:
+            raise SpecError("plan.fp8", fields.get("fp8"), "an fp8 row's plan names the FP8 format it ran (and "
+                            "fp8_recipe, default delayed)", "add fp8: hybrid (or e4m3) to the plan, saying in "
+                            "assumptions where it comes from", where=where)
+        precision = "bf16"
+    elif fields.get("fp8") is not None:
+        raise SpecError("plan.fp8", fields["fp8"], f"is set on a {precision} row", "set the row's precision to "
+                        "fp8, or drop plan.fp8", where=where)
     for key in ("gpus", "precision"):
         if key in fields:
             raise SpecError(f"plan.{key}", fields[key], "is a row key, not a plan key", f"set {key} on the row",
                             where=where)
-    plan = from_dict(ParallelPlan, {**fields, "gpus": raw["gpus"], "precision": raw["precision"]},
+    plan = from_dict(ParallelPlan, {**fields, "gpus": raw["gpus"], "precision": precision},
                      where=where, prefix="plan.")
     try:
         check_plan(model, plan)

@@ -59,7 +59,7 @@ def test_the_command_line_reads_fp8_and_none():
 def test_no_fp8_peak_no_fp8_plan():
     a100 = load_cluster("dgx-a100")
     assert a100.accelerator.peak_tflops_fp8 is None and H100.accelerator.peak_tflops_fp8 == 1979.0
-    with pytest.raises(SpecError, match=r"accelerator.peak_tflops_fp8=None: A100-SXM4-80GB has no FP8 peak.*fp8=none"):
+    with pytest.raises(SpecError, match=r"accelerator.peak_tflops_fp8=None: A100-SXM4-80GB has no FP8 peak.*drop --fp8, or fp8=none"):
         predict(QWEN, a100, parse_parallel(BASE + ",fp8=hybrid", 64))
 
 
@@ -121,3 +121,19 @@ def test_the_search_prices_fp8_memory_as_predict_does():
     assert result.scored and all(s.plan.fp8 == "hybrid" for s in result.scored)
     for s in result.best(20):
         assert s.peak_bytes == predict(QWEN, H100, s.plan).peak_stage.total
+
+
+def test_piper_plan_fp8_searches_fp8_plans_and_refuses_what_cannot_run(capsys):
+    import json
+
+    from piper_core.cli.main import main
+
+    assert main(["plan", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--gpus", "64", "--gbs", "1024", "--top", "3",
+                 "--fp8", "hybrid", "--fp8-recipe", "tensorwise", "--json", "--workers", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    plans = [row["plan"] for row in out["plans"]]
+    assert len(plans) == 3 and all((p["fp8"], p["fp8_recipe"]) == ("hybrid", "tensorwise") for p in plans)
+    assert main(["plan", "qwen3-30b-a3b", "--cluster", "dgx-a100", "--gpus", "64", "--fp8", "hybrid"]) == 2
+    assert "A100-SXM4-80GB has no FP8 peak" in capsys.readouterr().err
+    assert main(["plan", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--gpus", "64", "--fp8-recipe", "blockwise"]) == 2
+    assert "--fp8-recipe='blockwise': applies only to FP8 training; add --fp8 hybrid" in capsys.readouterr().err

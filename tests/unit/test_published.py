@@ -54,8 +54,11 @@ def test_at_least_twelve_predicted_rows_from_four_sources(results):
     predicted = [r for r in results if r.prediction is not None]
     assert len(predicted) >= 12
     assert len({r.row.source.origin for r in predicted}) >= 4
-    assert all(r.row.precision in ("bf16", "fp16") for r in predicted)
-    assert all(r.row.not_predicted for r in results if r.row.precision == "fp8")
+    assert all(r.row.precision in ("bf16", "fp16", "fp8") for r in predicted)
+    # an fp8 row is predicted as a bf16 plan with FP8 GEMMs in the format it names
+    assert all(r.row.plan.precision == ("bf16" if r.row.precision == "fp8" else r.row.precision)
+               and (r.row.plan.fp8 is not None) == (r.row.precision == "fp8") for r in predicted)
+    assert any(r.row.precision == "fp8" for r in predicted)
 
 
 def test_prediction_is_converted_to_the_published_metric(results):
@@ -81,7 +84,8 @@ def test_loader_accepts_a_minimal_row(tmp_path):
     (lambda r: r["measured"].update(as_written="439"), r"'demo': measured\.as_written='439': does not appear"),
     (lambda r: r["measured"].update(as_written="fast"), r"'demo': measured\.as_written='fast': is not a number"),
     (lambda r: r["source"].update(excerpt="   "), r"'demo': source\.excerpt="),
-    (lambda r: r.update(precision="fp8"), r"'demo': plan=.*fp8 rows cannot be predicted"),
+    (lambda r: r.update(precision="fp8"), r"'demo': plan\.fp8=None: an fp8 row's plan names the FP8 format"),
+    (lambda r: r["plan"].update(fp8="hybrid"), r"'demo': plan\.fp8='hybrid': is set on a bf16 row"),
     (lambda r: r["plan"].update(ep=3), r"'demo': plan\.ep=3"),
     (lambda r: r.update(model_overrides={"num_layer": 2}), r"'demo': model_overrides\.num_layer=2.*num_layers"),
     (lambda r: r.pop("plan"), r"'demo': plan=None: a row has a plan or a not_predicted reason"),
