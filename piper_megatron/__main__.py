@@ -9,6 +9,10 @@ training script (e.g. ``pretrain_gpt.py``) with Piper's flags, without editing i
 * With ``--piper --piper-plan-only``: the plan is made from the command line alone and printed;
   the script is neither run nor read (it need not exist), and neither ``megatron.training`` nor a
   GPU is needed. The world size comes from ``--piper-world-size N`` or the launcher's WORLD_SIZE.
+  Where megatron-core releases read an argument differently, the plan reads it as the newest
+  supported release does (:mod:`piper_megatron.versions`; a NullTokenizer's ``--vocab-size``), so
+  a plan does not depend on the megatron-core installed where it is made; the run's own plan, made
+  in its ``validate_args``, reads it as the installed release does.
 
 Exit status: 0 on success, 1 when no plan fits, 2 for bad input (the message says how to fix it).
 """

@@ -7,7 +7,8 @@ with Megatron's attribute names feed :func:`model_spec_from_args`: Megatron's ow
 (inside the ``validate_args`` hook, :mod:`piper_megatron.install`) and, for plan-only runs,
 :func:`parse_megatron_args`, whose flags, types and defaults are Megatron's
 (``megatron/training/arguments.py`` at core_v0.16.1 and 0.19.2, where most of these flags are
-generated from ``TransformerConfig`` fields; tests compare both against the real parsers).
+generated from ``TransformerConfig`` fields; tests compare both against the real parsers; the same
+at every tag from core_v0.16.1 to core_v0.19.0: :mod:`piper_megatron.versions`).
 Flag names for the rewrite come from :func:`piper_core.export.parallel_flags`, the spec -> flags
 mapping checked against Megatron's parser; this module is its inverse for the model. What the
 command line pins (sizes written on it, ``--piper-off``) is :mod:`piper_megatron.pins`.
@@ -28,12 +29,14 @@ from piper_core.export import parallel_flags
 from piper_core.specs.model import MLASpec, ModelSpec
 from piper_core.specs.parallel import LEGACY_PIPELINED, ParallelPlan, read_a2a
 from piper_megatron.pins import OFF_NAMES, PINNABLE, Pins, off_names
+from piper_megatron.versions import MegatronRelease
 
 A2AFlag = Literal["auto", "flat", "hierarchical"]
 # --piper-a2a's values; "pipelined" is the spelling from before the algorithm and the chunk count were
 # independent, read by piper_core.specs.parallel.read_a2a as flat exchanges in 2 chunks or more.
 A2A_FLAGS: tuple[str, ...] = ("auto", "flat", "hierarchical", LEGACY_PIPELINED)
 GPT2_BPE_VOCAB = 50257  # len(encoder) of GPT-2's vocab.json (Megatron _GPT2BPETokenizer.vocab_size)
+NULL_TOKENIZER = "NullTokenizer"
 
 
 # ---- Piper's flags -------------------------------------------------------------------------------
@@ -299,11 +302,12 @@ def moe_layout(freq: int | str | Sequence[int], num_layers: int) -> tuple[int, i
                     "use a pattern such as ([0]*3+[1]*58) or ([1,0]*12), or plan without --piper")
 
 
-def vocab_size(ns: argparse.Namespace, defaults: Mapping[str, Any]) -> int:
+def vocab_size(ns: argparse.Namespace, defaults: Mapping[str, Any], release: MegatronRelease | None = None) -> int:
     """Vocabulary before padding, as Megatron's tokenizer reports it.
 
-    ``--vocab-size`` when given (NullTokenizer's size; 0.16's NullTokenizer appends one EOD token
-    to it, 0.19's does not: at most one padding step apart, ignored here); GPT2BPETokenizer: the
+    ``--vocab-size`` when given, plus the end-of-document token that the NullTokenizer of
+    ``release`` appends (:attr:`~piper_megatron.versions.MegatronRelease.null_tokenizer_eod`: 0.16
+    and 0.17; ``release`` None reads it as the newest release does, without); GPT2BPETokenizer: the
     entries of ``--vocab-file`` when readable, else GPT-2's 50257. Other tokenizers must be loaded
     to know, so ``--vocab-size`` is required (they ignore it). ``defaults``: the script's
     ``args_defaults`` (pretrain_gpt.py defaults the tokenizer to GPT2BPETokenizer).
@@ -311,7 +315,7 @@ def vocab_size(ns: argparse.Namespace, defaults: Mapping[str, Any]) -> int:
     tokenizer = getattr(ns, "tokenizer_type", None) or defaults.get("tokenizer_type")
     given = getattr(ns, "vocab_size", None)
     if given is not None:
-        return given
+        return given + int(tokenizer == NULL_TOKENIZER and release is not None and release.null_tokenizer_eod)
     if tokenizer == "GPT2BPETokenizer":
         path = getattr(ns, "vocab_file", None)
         if path and Path(path).is_file():
@@ -320,6 +324,15 @@ def vocab_size(ns: argparse.Namespace, defaults: Mapping[str, Any]) -> int:
     raise SpecError("--vocab-size", None, f"Piper needs the vocabulary size and cannot read it from "
                     f"--tokenizer-type {tokenizer} without loading the tokenizer",
                     "add --vocab-size N (Megatron uses it only for NullTokenizer; other tokenizers ignore it)")
+
+
+def vocab_notes(ns: argparse.Namespace, defaults: Mapping[str, Any], release: MegatronRelease | None) -> list[str]:
+    """The report's note when ``release``'s NullTokenizer makes the vocabulary ``--vocab-size`` + 1."""
+    read = vocab_size(ns, defaults, release) if getattr(ns, "vocab_size", None) is not None else None
+    if read is None or read == ns.vocab_size:
+        return []
+    return [f"megatron-core {release.series}'s NullTokenizer appends an end-of-document token: vocabulary {read} "
+            f"(--vocab-size {ns.vocab_size} + 1), padded as Megatron pads it"]
 
 
 def _required(ns: argparse.Namespace, dest: str) -> int:
@@ -353,12 +366,14 @@ def model_name(spec_fields: Mapping[str, Any]) -> str:
     return name
 
 
-def model_spec_from_args(ns: argparse.Namespace, defaults: Mapping[str, Any] | None = None) -> ModelSpec:
+def model_spec_from_args(ns: argparse.Namespace, defaults: Mapping[str, Any] | None = None, *,
+                         release: MegatronRelease | None = None) -> ModelSpec:
     """The ModelSpec of the GPT model Megatron builds from ``ns`` (Megatron's argument names).
 
     Defaults that ``validate_args`` fills (it has not run yet) follow its rules: ffn_hidden_size
     4h, or int(8h/3 / 64) * 64 with --swiglu; moe_ffn_hidden_size = ffn_hidden_size; query groups
-    only with --group-query-attention. ``defaults`` is the script's ``args_defaults``.
+    only with --group-query-attention. ``defaults`` is the script's ``args_defaults``; ``release``
+    the megatron-core that builds it (:func:`vocab_size`).
     """
     defaults = defaults or {}
     hidden = _required(ns, "hidden_size")
@@ -369,7 +384,7 @@ def model_spec_from_args(ns: argparse.Namespace, defaults: Mapping[str, Any] | N
         num_layers=layers, hidden_size=hidden, num_attention_heads=_required(ns, "num_attention_heads"),
         num_query_groups=ns.num_query_groups if getattr(ns, "group_query_attention", False) else None,
         kv_channels=getattr(ns, "kv_channels", None), ffn_hidden_size=ffn, num_experts=experts,
-        seq_length=_required(ns, "seq_length"), vocab_size=vocab_size(ns, defaults),
+        seq_length=_required(ns, "seq_length"), vocab_size=vocab_size(ns, defaults, release),
         make_vocab_size_divisible_by=getattr(ns, "make_vocab_size_divisible_by", 128), gated_linear_unit=swiglu,
         tie_embeddings=not getattr(ns, "untie_embeddings_and_output_weights", False),
         normalization=getattr(ns, "normalization", "LayerNorm"), add_bias_linear=getattr(ns, "add_bias_linear", True),

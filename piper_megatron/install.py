@@ -1,5 +1,5 @@
-"""``piper_megatron.install()``: ``--piper`` for Megatron-LM training scripts, on the argument API
-of megatron-core 0.16 and of 0.17-0.19.
+"""``piper_megatron.install()``: ``--piper`` for Megatron-LM training scripts, on megatron-core
+0.16-0.19 (:mod:`piper_megatron.versions`: both ways a script reaches argument validation).
 
 With ``--piper`` on the command line, :func:`install` hooks Megatron before it parses and
 validates its arguments (without it, nothing of Megatron is imported or changed):
@@ -13,16 +13,17 @@ validates its arguments (without it, nothing of Megatron is imported or changed)
    micro batch, recompute, sequence parallelism, memory savers and the dispatcher type. Rank 0
    prints the plan and, with ``--save``, records it there.
    An infeasible request raises :class:`piper_core.errors.Infeasible` here, before any model
-   exists; ``--piper-plan-only`` exits here. Hooked where each API calls it: 0.17-0.19's
-   ``parse_and_validate_args`` calls ``arguments.validate_args``; 0.16's ``initialize_megatron``
+   exists; ``--piper-plan-only`` exits here. Hooked where each release calls it: 0.18-0.19's
+   ``parse_and_validate_args`` calls ``arguments.validate_args``; 0.16-0.17's ``initialize_megatron``
    calls the ``validate_args`` that ``megatron.training.initialize`` imported by name, so that
    binding is replaced as well.
 3. ``parallel_state.initialize_model_parallel`` (MoE models only), once the expert-parallel groups
    exist: creates Piper's all-to-all groups and installs :class:`~piper_megatron.dispatcher.
    PiperTokenDispatcher` (and the ``--piper-trace`` tracer) before the model is built.
 
-:meth:`Installation.restore` undoes every hook. The version comes from
-``megatron.core.package_info.__version__`` (``packaging.version``); other versions are refused.
+:meth:`Installation.restore` undoes every hook. The release comes from
+``megatron.core.package_info.__version__`` (:func:`piper_megatron.versions.installed_release`);
+releases outside 0.16-0.19 are refused with the range and the fix.
 """
 
 from __future__ import annotations
@@ -36,9 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, TextIO
-
-from packaging.version import InvalidVersion, Version
+from typing import Any, TextIO
 
 from piper_core.cli.plan import describe, min_gpus, render
 from piper_core.errors import Infeasible, SpecError
@@ -61,33 +60,13 @@ from piper_megatron.args import (
     model_spec_from_args,
     parse_piper_options,
     piper_options,
+    vocab_notes,
 )
 from piper_megatron.pins import SHARED_EXPERT_OVERLAP, Pins, admits, pins_from, restrict
 from piper_megatron.resume import PlanRecord, check_save, make_record, narrow, resume_from, widen, write_record
+from piper_megatron.versions import MegatronRelease, check_relied_on, installed_release
 
-Api = Literal["0.16", "0.17-0.19"]
 TOP = 5
-
-
-def megatron_api(version: str) -> Api:
-    """Which argument API a megatron-core ``version`` has (SpecError for unsupported versions)."""
-    try:
-        release = Version(version).release[:2]
-    except InvalidVersion:
-        release = ()
-    if release == (0, 16):
-        return "0.16"
-    if (0, 17) <= release <= (0, 19):
-        return "0.17-0.19"
-    raise SpecError("megatron-core", version, "is not supported by piper_megatron, which knows the argument API "
-                    "of 0.16 (pretrain(..., extra_args_provider, args_defaults)) and of 0.17-0.19 "
-                    "(parse_and_validate_args)", "install megatron-core>=0.16,<0.20, or run without --piper")
-
-
-def installed_api() -> Api:
-    """The argument API of the megatron-core that ``import megatron.core`` finds."""
-    info = importlib.import_module("megatron.core.package_info")
-    return megatron_api(info.__version__)
 
 
 # ---- planning (no Megatron import) ----------------------------------------------------------------
@@ -161,11 +140,14 @@ def _attention(ns: Any) -> str:
 
 def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size: int,
              defaults: dict[str, Any] | None = None,
-             limit: Callable[[SearchSpace], SearchSpace] | None = None) -> Planned:
+             limit: Callable[[SearchSpace], SearchSpace] | None = None,
+             release: MegatronRelease | None = None) -> Planned:
     """Search the plans for the job ``ns`` describes (Megatron's argument names) on ``world_size``
     GPUs, keeping the sizes written in ``argv``. Raises Infeasible when none fits. ``limit``
     narrows the search space further (e.g. to what a CPU trainer runs). A checkpoint in ``--load``
-    restricts the search to the plan it was saved with (:mod:`piper_megatron.resume`)."""
+    restricts the search to the plan it was saved with (:mod:`piper_megatron.resume`). ``release``:
+    the megatron-core that will run the job, where it reads an argument its own way (None: unknown,
+    read as the newest release does; :func:`piper_megatron.args.vocab_size`)."""
     check_piper_flags(argv)
     if getattr(ns, "use_checkpoint_args", False) or getattr(ns, "yaml_cfg", None):
         raise SpecError("--use-checkpoint-args/--yaml-cfg", "given", "with --piper the sizes come from the "
@@ -173,11 +155,11 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
     if world_size < 1:
         raise SpecError("world size", world_size, "must be >= 1", "launch with torchrun, or pass --piper-world-size N "
                         "with --piper-plan-only")
-    model, pins = model_spec_from_args(ns, defaults), pins_from(argv, options)
+    model, pins = model_spec_from_args(ns, defaults, release=release), pins_from(argv, options)
     fp32 = _precision(ns, pins) == "fp32"
     cluster, notes = _cluster(options)
     cluster = _experts_as_written(ns, options, cluster)
-    notes += [*options.notes, *([FP32_NOTE] if fp32 else [])]
+    notes += [*options.notes, *([FP32_NOTE] if fp32 else []), *vocab_notes(ns, defaults or {}, release)]
     gbs = getattr(ns, "global_batch_size", None)
     if gbs is None:
         raise SpecError("--global-batch-size", None, "is required with --piper (Megatron's default, micro batch x "
@@ -327,8 +309,8 @@ class DispatchRequest:
 class Installation:
     """The hooks of one :func:`install` call; :meth:`restore` removes them (and the dispatcher)."""
 
-    def __init__(self, api: Api, argv: Sequence[str] | None, out: TextIO):
-        self.api, self._argv, self._out = api, None if argv is None else list(argv), out
+    def __init__(self, release: MegatronRelease, argv: Sequence[str] | None, out: TextIO):
+        self.release, self._argv, self._out = release, None if argv is None else list(argv), out
         self._saved: list[tuple[Any, str, Any]] = []
         self._validated: set[int] = set()
         self._request: DispatchRequest | None = None
@@ -357,19 +339,20 @@ class Installation:
             arguments = importlib.import_module("megatron.training.arguments")
         except ImportError as exc:
             raise _import_error(exc) from exc
-        if self.api == "0.17-0.19" and not hasattr(arguments, "parse_and_validate_args"):
-            raise SpecError("megatron.training.arguments", "parse_and_validate_args missing", "megatron-core reports "
-                            "0.17-0.19 but its megatron.training has the older API", "use matching megatron-core and "
-                            "Megatron-LM versions")
+        series = self.release.series
+        if self.release.entry == "parse_and_validate_args" and not hasattr(arguments, "parse_and_validate_args"):
+            raise SpecError("megatron.training.arguments", "parse_and_validate_args missing", f"megatron-core reports "
+                            f"{series}, whose scripts call it, but this megatron.training has the API of 0.16-0.17",
+                            f"use a Megatron-LM checkout of megatron-core's version (tag core_v{series}.x)")
         add = arguments.add_megatron_arguments
         self._set(arguments, "add_megatron_arguments", lambda parser: add_piper_arguments(add(parser)))
         self._set(arguments, "validate_args", self._validation_hook(arguments.validate_args))
-        if self.api == "0.16":
+        if self.release.entry == "pretrain":
             initialize = importlib.import_module("megatron.training.initialize")
             if not hasattr(initialize, "validate_args"):
-                raise SpecError("megatron.training.initialize", "validate_args missing", "megatron-core reports 0.16, "
-                                "whose initialize_megatron calls validate_args imported by name",
-                                "use matching megatron-core and Megatron-LM versions")
+                raise SpecError("megatron.training.initialize", "validate_args missing", f"megatron-core reports "
+                                f"{series}, whose initialize_megatron calls validate_args imported by name",
+                                f"use a Megatron-LM checkout of megatron-core's version (tag core_v{series}.x)")
             self._set(initialize, "validate_args", self._validation_hook(initialize.validate_args))
 
     def _validation_hook(self, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -389,7 +372,7 @@ class Installation:
         options = piper_options(args)
         argv = self._argv if self._argv is not None else sys.argv[1:]
         world = options.world_size or getattr(args, "world_size", 1)
-        self.planned = plan_job(args, argv, options, world_size=world, defaults=defaults)
+        self.planned = plan_job(args, argv, options, world_size=world, defaults=defaults, release=self.release)
         plan = self.planned.top.plan
         self.changes = apply_settings(args, megatron_settings(self.planned.model, plan, self.planned.pins))
         if getattr(args, "rank", 0) == 0:
@@ -437,6 +420,7 @@ class Installation:
         from piper_megatron.dispatcher import DispatchSettings, create_ep_comm, install_dispatcher
         from piper_megatron.trace import Tracer
 
+        check_relied_on(self.release)  # before Piper's dispatcher binds to Megatron's phases
         request, world = self._request, dist.get_world_size()
         per_node = request.ranks_per_node if world % request.ranks_per_node == 0 else world
         topology = NodeTopology.uniform(world_size=world, ranks_per_node=per_node)
@@ -497,15 +481,14 @@ def install(argv: Sequence[str] | None = None, *, out: TextIO | None = None) -> 
     options = parse_piper_options(sys.argv[1:] if argv is None else argv)
     if not options.enabled:
         return None
-    api = installed_api()
+    found = installed_release()
     arguments = sys.modules.get("megatron.training.arguments")
     existing = getattr(getattr(arguments, "validate_args", None), "piper_installation", None)
     if existing is not None:  # installed already (e.g. by the launcher and again by the script)
         return existing
-    installation = Installation(api, argv, out or sys.stdout)
+    installation = Installation(found, argv, out or sys.stdout)
     installation.apply()
     return installation
 
 
-__all__ = ["Installation", "Planned", "dispatcher_description", "install", "installed_api", "megatron_api",
-           "plan_job", "report"]
+__all__ = ["Installation", "Planned", "dispatcher_description", "install", "plan_job", "report"]

@@ -176,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from piper_megatron.args import apply_settings, megatron_settings, parse_megatron_args, parse_piper_options
     from piper_megatron.cpu_run import find_script
     from piper_megatron.install import dispatcher_description, plan_job, report
+    from piper_megatron.versions import distribution_release
 
     a = _parser().parse_args(argv)
     start = time.perf_counter()
@@ -194,7 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     script = find_script(checkout)
     ns = parse_megatron_args(flags)
     planned = plan_job(ns, flags, parse_piper_options(flags), world_size=a.ranks,
-                       limit=None if script else cpu_trainer_space)
+                       limit=None if script else cpu_trainer_space,
+                       release=distribution_release() if script else None)  # as pretrain_gpt.py's --piper plans
     if script is not None:
         if not a.json:
             print(f"piper: training the twin with Megatron-LM's own {_short(script)} on {a.ranks} CPU ranks:")

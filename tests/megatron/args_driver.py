@@ -1,9 +1,10 @@
 """Subprocess side of tests/megatron/test_piper_args.py: ``--piper`` through a real Megatron argument
 API, scenario by scenario, results written as JSON.
 
-Run as ``python -m tests.megatron.args_driver API SCENARIOS.json OUT.json`` with megatron-core
-0.19.2's tree first on PYTHONPATH (tests/megatron/megatron_wheel.py). API "0.17-0.19" uses that
-tree as it is; API "0.16" first installs tests/megatron/megatron016.py's stand-in. Each scenario
+Run as ``python -m tests.megatron.args_driver VERSION SCENARIOS.json OUT.json`` with megatron-core
+0.19.2's tree first on PYTHONPATH (tests/megatron/megatron_wheel.py). VERSION 0.19.2 uses that tree
+as it is; an older one (0.16.1, 0.17.1: the releases whose scripts reach validation through
+``pretrain``) first installs tests/megatron/megatron016.py's stand-in reporting that version. Each scenario
 runs a stand-in ``pretrain_gpt.py`` (tests/megatron/scripts) either through the launcher
 (``piper_megatron.__main__.main``) or through ``piper_megatron.install()`` + ``runpy``, then reports
 what Megatron validated (its global args), the ``piper:`` lines printed, the exit or error, whether
@@ -109,16 +110,20 @@ def parser_defaults() -> dict[str, Any]:
     return {a.dest: _plain(getattr(a.default, "name", a.default)) for a in parser._actions}
 
 
-def main(api: str, scenarios_path: str, out_path: str) -> None:
-    if api == "0.16":
+def main(version: str, scenarios_path: str, out_path: str) -> None:
+    import megatron.core.package_info as info
+
+    if version != info.__version__:
         from tests.megatron.megatron016 import install_standin
 
-        install_standin()
-    script = SCRIPTS / ("pretrain_gpt_016.py" if api == "0.16" else "pretrain_gpt_019.py")
-    from piper_megatron.install import installed_api
+        install_standin(version)
+    from piper_megatron.versions import drift, installed_release
 
+    found = installed_release()
+    script = SCRIPTS / ("pretrain_gpt_016.py" if found.entry == "pretrain" else "pretrain_gpt_019.py")
     pristine = snapshot()
-    results: dict[str, Any] = {"detected_api": installed_api(), "parser_defaults": parser_defaults(), "scenarios": {}}
+    results: dict[str, Any] = {"detected": {"series": found.series, "entry": found.entry}, "drift": drift(),
+                               "parser_defaults": parser_defaults(), "scenarios": {}}
     for name, scenario in json.loads(Path(scenarios_path).read_text()).items():
         result = run_scenario(script, scenario)
         result["changed_after"] = changed(pristine) if scenario["via"] != "launcher" or "--piper" not in \

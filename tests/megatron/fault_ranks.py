@@ -126,9 +126,10 @@ def _train(fault: Fault, trigger: _Trigger | None) -> int:
     from piper_core.specs.parallel import ParallelPlan
     from piper_megatron.build import gpt_model
     from piper_megatron.install import DispatchRequest, Installation
+    from piper_megatron.versions import installed_release
 
     pp = fault.world // EP
-    installation = Installation("0.16", [], io.StringIO())
+    installation = Installation(installed_release(), [], io.StringIO())
     installation.hook_model_parallel(DispatchRequest(a2a=fault.a2a, chunks=fault.chunks, ranks_per_node=fault.world,
                                                      timeout_minutes=fault.piper_timeout_minutes))
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp, expert_model_parallel_size=EP,

@@ -1,10 +1,13 @@
-"""A stand-in for the argument API of megatron-core 0.16 (Megatron-LM tag core_v0.16.1), used ONLY
-because the real 0.16 ``megatron.training`` cannot be obtained here: the megatron-core 0.16.1 wheel
-ships ``megatron/core`` alone, and the package registry has no other source of it.
+"""A stand-in for the argument API of megatron-core 0.16 and 0.17 (Megatron-LM tags core_v0.16.1,
+core_v0.17.0 and core_v0.17.1: ``initialize.py`` and ``training.py`` reach validation the same way in
+each), used ONLY because the real ``megatron.training`` of those releases cannot be installed here
+next to the 0.19.2 tree: the megatron-core 0.16.1 wheel ships ``megatron/core`` alone (the checkout
+tests/megatron/test_pretrain_gpt.py runs is 0.16.1's whole), and 0.17 needs Python 3.12.
 
 Built on the REAL ``megatron.training.arguments`` of 0.19.2 (:mod:`tests.megatron.megatron_wheel`):
-its parser, ``add_megatron_arguments``, ``parse_args`` and ``validate_args`` are used unchanged. What
-is emulated is how 0.16 reaches them, read from core_v0.16.1:
+its parser, ``add_megatron_arguments``, ``parse_args`` and ``validate_args`` are used unchanged (and
+its tokenizers: the NullTokenizer of 0.16-0.17 would add one end-of-document token). What is emulated
+is how 0.16 and 0.17 reach them, read from core_v0.16.1 (the same at core_v0.17.1):
 
 * ``megatron/training/initialize.py`` does ``from megatron.training.arguments import parse_args,
   validate_args`` at import, and ``initialize_megatron(extra_args_provider=None, args_defaults={},
@@ -17,7 +20,8 @@ is emulated is how 0.16 reaches them, read from core_v0.16.1:
   process_non_loss_data_func=None, extra_args_provider=None, args_defaults={}, ...)`` starts with
   ``initialize_megatron(extra_args_provider=extra_args_provider, args_defaults=args_defaults)``
   (the model is built after that; not emulated: the stand-in returns the validated args).
-* ``megatron.core.package_info.__version__`` reads "0.16.1", so version detection picks the 0.16 API.
+* ``megatron.core.package_info.__version__`` reads the version given (0.16.1 or 0.17.1), so version
+  detection picks the ``pretrain`` entry (:mod:`piper_megatron.versions`).
 """
 
 from __future__ import annotations
@@ -58,12 +62,13 @@ def _module(name: str, source: str) -> types.ModuleType:
     return module
 
 
-def install_standin() -> None:
-    """Make ``megatron.training`` look like 0.16's to a script and to version detection."""
+def install_standin(version: str = "0.16.1") -> None:
+    """Make ``megatron.training`` look like that of ``version`` (0.16 or 0.17) to a script and to
+    version detection."""
     import megatron.core.package_info as info
     import megatron.training as training
 
-    info.__version__ = "0.16.1"
+    info.__version__ = version
     initialize = _module("megatron.training.initialize", _INITIALIZE)
     sys.modules["megatron.training.initialize"] = initialize
     training.initialize = initialize

@@ -208,8 +208,9 @@ def _hook_case(rank: int, world: int, trace_dir: Path) -> dict[str, Any]:
     from megatron.core.transformer.moe import moe_layer, token_dispatcher
 
     from piper_megatron.install import DispatchRequest, Installation
+    from piper_megatron.versions import installed_release
 
-    installation = Installation("0.16", [], io.StringIO())
+    installation = Installation(installed_release(), [], io.StringIO())
     installation.hook_model_parallel(DispatchRequest(a2a="hierarchical", chunks=2, ranks_per_node=1,
                                                      timeout_minutes=1, trace=trace_dir / "hook.jsonl"))
     try:

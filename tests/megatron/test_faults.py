@@ -259,6 +259,7 @@ def test_piper_install_passes_megatrons_timeout_and_leaves_nccl_waits_to_the_wat
 
     from piper_megatron import dispatcher
     from piper_megatron.install import DispatchRequest, Installation
+    from piper_megatron.versions import installed_release
 
     made: list[dict[str, Any]] = []
 
@@ -272,7 +273,7 @@ def test_piper_install_passes_megatrons_timeout_and_leaves_nccl_waits_to_the_wat
     monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(dispatcher, "create_ep_comm", lambda topology, **kwargs: made.append(kwargs) or "comm")
     monkeypatch.setattr(dispatcher, "install_dispatcher", lambda comm, settings, tracer=None: Installed())
-    installation = Installation("0.16", [], io.StringIO())
+    installation = Installation(installed_release(), [], io.StringIO())
     installation.hook_model_parallel(DispatchRequest(a2a="flat", chunks=1, ranks_per_node=2, timeout_minutes=7))
     try:
         parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
@@ -291,6 +292,7 @@ def test_piper_takes_its_timeout_from_distributed_timeout_minutes(minutes: int |
 
     from piper_megatron.args import add_piper_arguments, parse_megatron_args
     from piper_megatron.install import Installation
+    from piper_megatron.versions import installed_release
 
     argv = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size", "1024",
             "--seq-length", "512", "--max-position-embeddings", "512", "--num-experts", "8",
@@ -303,7 +305,7 @@ def test_piper_takes_its_timeout_from_distributed_timeout_minutes(minutes: int |
     ns.world_size, ns.rank = 8, 1
     requests: list[Any] = []
     monkeypatch.setattr(Installation, "hook_model_parallel", lambda self, request: requests.append(request))
-    Installation("0.16", argv, io.StringIO()).prepare(ns, {})
+    Installation(installed_release(), argv, io.StringIO()).prepare(ns, {})
     assert [r.timeout_minutes for r in requests] == [10 if minutes is None else minutes]
 
 

@@ -1,27 +1,30 @@
 """``--piper``: Megatron arguments -> model spec, pinned sizes, the plan, the rewrite, and the hooks
-on both argument APIs of Megatron-LM.
+on both ways Megatron-LM scripts reach argument validation (:mod:`piper_megatron.versions`).
 
-How each argument API is exercised:
+How each is exercised:
 
-* 0.17-0.19 (``parse_and_validate_args`` calls ``arguments.validate_args``): against the REAL
+* 0.18-0.19 (``parse_and_validate_args`` calls ``arguments.validate_args``): against the REAL
   ``megatron.training`` of megatron-core 0.19.2, downloaded once by tests/megatron/megatron_wheel.py
   (skipped, with the reason, when the download fails) and run in a subprocess
   (tests/megatron/args_driver.py) with that tree first on the path. A stand-in ``pretrain_gpt.py``
   whose ``__main__`` calls ``parse_and_validate_args`` as the real one does is run through the
   launcher and through ``install()``; what Megatron's real ``validate_args`` accepted is compared
-  with the plan Piper computes here from the same command line.
-* 0.16 (``initialize_megatron`` calls the ``validate_args`` that ``megatron.training.initialize``
-  bound at import): the real 0.16 ``megatron.training`` cannot be obtained (the 0.16.1 wheel ships
-  only ``megatron/core``), so the same subprocess first installs tests/megatron/megatron016.py, a
-  stand-in that binds the real 0.19.2 ``parse_args``/``validate_args`` by name at import, as 0.16.1's
-  ``initialize.py`` does, and reports version 0.16.1; the script calls ``pretrain(...,
-  args_defaults=..., extra_args_provider=...)``. A hook on ``arguments.validate_args`` alone would
-  miss that binding; the test checks the rewrite arrives.
+  with the plan Piper computes here from the same command line, and the vocabulary its real
+  tokenizer padded with the one Piper planned.
+* 0.16-0.17 (``initialize_megatron`` calls the ``validate_args`` that ``megatron.training.initialize``
+  bound at import): their ``megatron.training`` cannot sit beside the 0.19.2 tree (the 0.16.1 wheel
+  ships only ``megatron/core``; 0.17 needs Python 3.12), so the same subprocess first installs
+  tests/megatron/megatron016.py, a stand-in that binds the real 0.19.2 ``parse_args``/``validate_args``
+  by name at import, as ``initialize.py`` does at core_v0.16.1 and core_v0.17.1, and reports version
+  0.16.1 or 0.17.1; the script calls ``pretrain(..., args_defaults=..., extra_args_provider=...)``. A
+  hook on ``arguments.validate_args`` alone would miss that binding; the test checks the rewrite
+  arrives. (The real 0.16.1 ``megatron.training``: tests/megatron/test_versions.py and
+  test_pretrain_gpt.py.)
 * Installed megatron-core 0.16.1 (no ``megatron.training``): ``install()`` fails with a clear error.
 
 The rest needs no Megatron: the spec read off every preset's Megatron flags equals the preset;
-pins, the rewrite, version detection, errors; and ``python -m piper_megatron ... --piper-plan-only``
-for switch-1t on 64 dgx-h100 GPUs, in a subprocess that must import neither Megatron nor torch.
+pins, the rewrite, errors; and ``python -m piper_megatron ... --piper-plan-only`` for switch-1t on
+64 dgx-h100 GPUs, in a subprocess that must import neither Megatron nor torch.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from piper_megatron.args import (
     parse_piper_options,
 )
 from piper_megatron.pins import explicit_flags, pins_from
-from piper_megatron.install import dispatcher_description, megatron_api, plan_job, report
+from piper_megatron.install import dispatcher_description, plan_job, report
 
 REPO = Path(__file__).resolve().parents[2]
 PIPER = ["--piper", "--piper-cluster", "dgx-h100"]
@@ -272,18 +275,6 @@ def test_rewrite_sets_the_plan_and_resets_what_it_does_not_use():
     assert {c.dest for c in changes} >= {"expert_model_parallel_size", "moe_token_dispatcher_type"}
 
 
-@pytest.mark.parametrize(("version", "api"), [("0.16.1", "0.16"), ("0.16.0rc0.dev100085", "0.16"),
-                                              ("0.17.0rc0", "0.17-0.19"), ("0.19.2", "0.17-0.19")])
-def test_version_detection(version, api):
-    assert megatron_api(version) == api
-
-
-@pytest.mark.parametrize("version", ["0.15.3", "0.20.0", "not-a-version"])
-def test_unsupported_versions_get_a_clear_error(version):
-    with pytest.raises(SpecError, match=f"megatron-core={version!r}: is not supported by piper_megatron"):
-        megatron_api(version)
-
-
 def test_planning_needs_what_it_cannot_guess(tmp_path):
     no_gbs = [a for a in BASE if a not in ("--global-batch-size", "64")]
     with pytest.raises(SpecError, match="--global-batch-size=None: is required with --piper"):
@@ -453,20 +444,20 @@ def api_run(megatron_019, tmp_path_factory):
 
     cache = {}
 
-    def get(api: str) -> dict:
-        if api not in cache:
-            work = tmp_path_factory.mktemp(f"api-{api}")
+    def get(version: str) -> dict:
+        if version not in cache:
+            work = tmp_path_factory.mktemp(f"version-{version}")
             _saved_checkpoint(work / "resume", planned(BASE + PIPER + PINNED))
             scenarios = {name: s | {"env": ENV, "argv": [a.replace("{work}", str(work)) for a in s["argv"]]}
                          for name, s in SCENARIOS.items()}
             (work / "scenarios.json").write_text(json.dumps(scenarios))
-            cmd = [sys.executable, "-m", "tests.megatron.args_driver", api, str(work / "scenarios.json"),
+            cmd = [sys.executable, "-m", "tests.megatron.args_driver", version, str(work / "scenarios.json"),
                    str(work / "out.json")]
             proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                                   env=tree_env(megatron_019, REPO))
             assert proc.returncode == 0, proc.stderr[-4000:]
-            cache[api] = json.loads((work / "out.json").read_text()) | {"work": str(work)}
-        return cache[api]
+            cache[version] = json.loads((work / "out.json").read_text()) | {"work": str(work)}
+        return cache[version]
 
     return get
 
@@ -500,35 +491,38 @@ def _subset(args: dict, keys) -> dict:
     return {k: args[k] for k in keys}
 
 
-APIS = ("0.17-0.19", "0.16")
+# megatron-core version the subprocess reports -> how its scripts reach validate_args
+VERSIONS = {"0.19.2": "parse_and_validate_args", "0.16.1": "pretrain", "0.17.1": "pretrain"}
 
 
-@pytest.mark.parametrize("api", APIS)
-def test_version_is_detected(api_run, api):
-    assert api_run(api)["detected_api"] == api
+@pytest.mark.parametrize("version", VERSIONS)
+def test_version_is_detected_and_its_apis_are_what_piper_relies_on(api_run, version):
+    run = api_run(version)
+    assert run["detected"] == {"series": version.rsplit(".", 1)[0], "entry": VERSIONS[version]}
+    assert run["drift"] == []  # the 0.19.2 tree's dispatcher APIs (the stand-ins change only megatron.training)
 
 
-@pytest.mark.parametrize("api", APIS)
-def test_plan_only_parser_has_megatrons_defaults(api_run, api):
-    real = api_run(api)["parser_defaults"]
+@pytest.mark.parametrize("version", VERSIONS)
+def test_plan_only_parser_has_megatrons_defaults(api_run, version):
+    real = api_run(version)["parser_defaults"]
     mine = vars(parse_megatron_args([]))
     assert {k: real[k] for k in mine} == {k: (v if not isinstance(v, list) else str(v)) for k, v in mine.items()}
 
 
-@pytest.mark.parametrize("api", APIS)
-def test_without_piper_nothing_of_megatron_is_touched(api_run, api):
-    got = api_run(api)["scenarios"]["untouched"]
+@pytest.mark.parametrize("version", VERSIONS)
+def test_without_piper_nothing_of_megatron_is_touched(api_run, version):
+    got = api_run(version)["scenarios"]["untouched"]
     assert got["rc"] == 0 and got["piper_lines"] == []
     assert got["changed_after"] == [], "module attributes differ from the originals"
     assert not any(got["hooks"].values())
     assert (got["args"]["tensor_model_parallel_size"], got["args"]["moe_token_dispatcher_type"]) == (1, "allgather")
 
 
-@pytest.mark.parametrize("api", APIS)
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("scenario", ["piper", "pinned", "pipeline", "vpp_pinned", "recompute_pinned", "off", "unfused",
                                       "launcher"])
-def test_megatron_validates_the_plan(api_run, api, scenario):
-    got = api_run(api)["scenarios"][scenario]
+def test_megatron_validates_the_plan(api_run, version, scenario):
+    got = api_run(version)["scenarios"][scenario]
     assert "error" not in got and got.get("exit") is None, got
     job = planned(SCENARIOS[scenario]["argv"])
     want = expected_args(job.top.plan, job.pins.off_all)
@@ -536,15 +530,31 @@ def test_megatron_validates_the_plan(api_run, api, scenario):
     assert f"piper: pinned by the command line: {job.pins.describe()}" in got["piper_lines"]
     assert f"piper: token dispatcher: {dispatcher_description(job)}" in got["piper_lines"]
     assert got["hooks"]["arguments.validate_args"] and got["hooks"]["parallel_state.initialize_model_parallel"]
-    assert got["hooks"]["initialize.validate_args"] == (api == "0.16")  # 0.16 binds validate_args at import
+    assert got["hooks"]["initialize.validate_args"] == (VERSIONS[version] == "pretrain")  # bound at import there
     if scenario != "launcher":
         assert got["install_again_is_same"], "a second install() hooked Megatron twice"
         assert got["changed_after"] == [], "restore() left hooks behind"
 
 
-@pytest.mark.parametrize("api", APIS)
-def test_pinned_sizes_survive_megatrons_validation(api_run, api):
-    scenarios = api_run(api)["scenarios"]
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_vocabulary_is_read_as_the_release_reads_it(api_run, version):
+    """NullTokenizer --vocab-size 32000: 0.18-0.19's is 32000 tokens, and the real 0.19.2 tokenizer
+    pads the vocabulary Piper planned; 0.16-0.17's appends an end-of-document token (32001), which
+    the plan reads and notes (the stand-ins run 0.19.2's tokenizer, so only the note is checked)."""
+    got = api_run(version)["scenarios"]["piper"]
+    note = ("piper: note: megatron-core 0.1{}'s NullTokenizer appends an end-of-document token: vocabulary 32001 "
+            "(--vocab-size 32000 + 1), padded as Megatron pads it")
+    if VERSIONS[version] == "pretrain":
+        assert note.format(version[3]) in got["piper_lines"]
+        return
+    assert not any("NullTokenizer" in line for line in got["piper_lines"])
+    job = planned(SCENARIOS["piper"]["argv"])
+    assert got["args"]["padded_vocab_size"] == job.model.padded_vocab(got["args"]["tensor_model_parallel_size"])
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_pinned_sizes_survive_megatrons_validation(api_run, version):
+    scenarios = api_run(version)["scenarios"]
     args = scenarios["pinned"]["args"]
     assert (args["tensor_model_parallel_size"], args["micro_batch_size"]) == (2, 1)
     args = scenarios["vpp_pinned"]["args"]
@@ -554,43 +564,43 @@ def test_pinned_sizes_survive_megatrons_validation(api_run, api):
     assert recompute == ("full", "block", 2)
 
 
-@pytest.mark.parametrize("api", APIS)
-def test_infeasible_request_fails_before_megatron_accepts_arguments(api_run, api):
-    got = api_run(api)["scenarios"]["infeasible"]
+@pytest.mark.parametrize("version", VERSIONS)
+def test_infeasible_request_fails_before_megatron_accepts_arguments(api_run, version):
+    got = api_run(version)["scenarios"]["infeasible"]
     assert got["error"].startswith("Infeasible: no plan for gpt-24L-4096H-512E-top1 fits 8 GPUs of dgx-h100")
     assert got["args"] is None, "Megatron set its global arguments: the run would have gone on to build the model"
 
 
-@pytest.mark.parametrize("api", APIS)
-def test_plan_only_exits_inside_validation(api_run, api):
-    got = api_run(api)["scenarios"]["plan_only"]
+@pytest.mark.parametrize("version", VERSIONS)
+def test_plan_only_exits_inside_validation(api_run, version):
+    got = api_run(version)["scenarios"]["plan_only"]
     assert got["exit"] == 0 and got["args"] is None
     assert f"best: {describe(planned(BASE + PIPER).top.plan)}" in got["stdout"].splitlines()
 
 
-@pytest.mark.parametrize("api", APIS)
-def test_switches_kept_off_stay_off_through_megatrons_validation(api_run, api):
-    args = api_run(api)["scenarios"]["off"]["args"]
+@pytest.mark.parametrize("version", VERSIONS)
+def test_switches_kept_off_stay_off_through_megatrons_validation(api_run, version):
+    args = api_run(version)["scenarios"]["off"]["args"]
     assert (args["use_distributed_optimizer"], args["overlap_grad_reduce"], args["overlap_param_gather"],
             args["recompute_granularity"]) == (False, False, False, None)
-    piper = api_run(api)["scenarios"]["piper"]["args"]
+    piper = api_run(version)["scenarios"]["piper"]["args"]
     assert (piper["use_distributed_optimizer"], piper["overlap_grad_reduce"]) == (True, True)  # on without --piper-off
 
 
-@pytest.mark.parametrize("api", APIS)
-def test_a_misspelt_piper_flag_stops_before_megatron_parses(api_run, api):
-    scenarios = api_run(api)["scenarios"]
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_misspelt_piper_flag_stops_before_megatron_parses(api_run, version):
+    scenarios = api_run(version)["scenarios"]
     got = scenarios["typo"]
     assert got["error"].startswith("SpecError: flag='--piper-chunk': is not one of Piper's flags")
     assert got["args"] is None and not any(got["hooks"].values())
     assert scenarios["typo_launcher"]["rc"] == 2 and scenarios["typo_launcher"]["args"] is None
 
 
-@pytest.mark.parametrize("api", APIS)
-def test_save_and_resume_through_megatrons_arguments(api_run, api):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_save_and_resume_through_megatrons_arguments(api_run, version):
     from piper_megatron.resume import RECORD_NAME, layout_of, read_record
 
-    run = api_run(api)
+    run = api_run(version)
     got = run["scenarios"]["save"]
     assert "error" not in got and got.get("exit") is None, got
     record = read_record(Path(run["work"]) / "saved" / RECORD_NAME)

@@ -28,6 +28,7 @@ from piper_megatron.args import (
     parse_piper_options,
 )
 from piper_megatron.install import Installation, report
+from piper_megatron.versions import release
 from piper_megatron.pins import OFF_NAMES, pins_from
 from tests.megatron.test_piper_args import BASE, PIPER, _launch, flags_of, planned
 
@@ -188,7 +189,7 @@ def fake_training(tmp_path, monkeypatch):
 
 
 def _apply() -> None:
-    Installation("0.17-0.19", [], io.StringIO()).apply()
+    Installation(release("0.19.2"), [], io.StringIO()).apply()
 
 
 @pytest.mark.parametrize("module", ["six", "regex"])
@@ -214,6 +215,23 @@ def test_a_megatron_module_missing_means_mismatched_versions(fake_training):
     with pytest.raises(SpecError, match="needs megatron.piper_test_newer_module'.*the installed megatron-core lacks"
                                         ".*checkout of the same version as megatron-core"):
         _apply()
+
+
+ARGUMENTS_016 = "def add_megatron_arguments(parser):\n    return parser\n\n\ndef validate_args(args, defaults={}):\n    pass\n"
+
+
+def test_a_checkout_without_the_entry_of_its_release_is_named(fake_training, tmp_path):
+    """0.18-0.19's scripts validate through ``parse_and_validate_args`` (core_v0.18.0 on), 0.16-0.17's
+    through the ``validate_args`` that ``initialize.py`` imported: a checkout of the other kind
+    beside megatron-core is refused with the tag to check out (piper_megatron/versions.py)."""
+    fake_training(ARGUMENTS_016)  # 0.16-0.17's arguments.py: no parse_and_validate_args
+    with pytest.raises(SpecError, match=r"arguments='parse_and_validate_args missing': megatron-core reports 0\.19, "
+                                        r"whose scripts call it.*tag core_v0\.19\.x\)$"):
+        _apply()
+    (tmp_path / "megatron" / "training" / "initialize.py").write_text("def initialize_megatron():\n    pass\n")
+    with pytest.raises(SpecError, match=r"initialize='validate_args missing': megatron-core reports 0\.17, whose "
+                                        r"initialize_megatron calls validate_args imported by name.*core_v0\.17\.x\)$"):
+        Installation(release("0.17.1"), [], io.StringIO()).apply()
 
 
 def test_without_megatron_training_the_checkout_is_blamed():

@@ -18,6 +18,7 @@ from piper_core.cli.plan import describe
 from piper_core.errors import Infeasible, SpecError
 from piper_megatron.args import add_piper_arguments, parse_megatron_args
 from piper_megatron.install import Installation, report
+from piper_megatron.versions import release
 from piper_megatron.resume import RECORD_NAME, TRACKER_NAME, layout_of, read_record
 from tests.megatron.test_piper_args import BASE, PINNED, PIPER, WORLD, planned
 
@@ -39,7 +40,7 @@ def prepare(monkeypatch):
 
     def run(argv: list[str], **kw):
         out, args = io.StringIO(), megatron_args(argv, **kw)
-        installation = Installation("0.17-0.19", argv, out)
+        installation = Installation(release("0.19.2"), argv, out)
         installation.prepare(args, {})
         return installation, args, out.getvalue()
 
