@@ -46,6 +46,7 @@ def plan_label(plan: ParallelPlan, *, gbs: bool = False) -> str:
     rc = {"none": "norc", "selective": "sel", "full": f"full{plan.recompute_num_layers}"}[plan.recompute]
     split = "".join(f" {k}{v}" for k, v in (("first", plan.num_layers_in_first_pipeline_stage),
                                             ("last", plan.num_layers_in_last_pipeline_stage)) if v)
+    split += " layout" if plan.pipeline_layout is not None else ""
     batch = f" gbs{plan.global_batch_size}" if gbs else ""
     savers = (" gbf16" if plan.grad_reduce_in_bf16 else "") + (
         f" off{plan.optimizer_offload_fraction:g}" if plan.optimizer_offload_fraction else "") + fp8_label(plan)
@@ -133,7 +134,11 @@ def parallel_flags(model: ModelSpec, plan: ParallelPlan, accelerator: Accelerato
         flags.append(("--decoder-first-pipeline-num-layers", first))
     if last is not None:
         flags.append(("--decoder-last-pipeline-num-layers", last))
-    if plan.vpp and plan.vpp > 1:
+    if plan.pipeline_layout is not None:  # validate_args derives vpp from it (and refuses the vpp flags beside it)
+        flags.append(("--pipeline-model-parallel-layout", plan.pipeline_layout))
+        if plan.vpp and not plan.overlap_p2p_comm:
+            flags.append(("--no-overlap-p2p-communication", None))
+    elif plan.vpp and plan.vpp > 1:
         # validate_args: an uneven split takes the virtual stage count, an even one layers per virtual stage.
         if first is None and last is None:
             flags.append(("--num-layers-per-virtual-pipeline-stage", model.num_layers // (plan.pp * plan.vpp)))
@@ -250,6 +255,8 @@ def deepspeed_compatible(plan: ParallelPlan) -> str | None:
     """
     if plan.fp8 is not None:
         return f"fp8={plan.fp8}: DeepSpeed-MoE's layers run no FP8 GEMMs (Transformer Engine's are Megatron's)"
+    if plan.pipeline_layout is not None:
+        return "pipeline layout: DeepSpeed's PipelineModule has no per-stage layout of Megatron's kind"
     if plan.tp > 1:
         return f"tp={plan.tp}: the DeepSpeed export has no tensor parallelism (it would need Megatron-DeepSpeed's mpu)"
     if plan.etp_size > 1:

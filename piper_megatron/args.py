@@ -415,6 +415,7 @@ def model_spec_from_args(ns: argparse.Namespace, defaults: Mapping[str, Any] | N
 # value from the command line cannot contradict the plan (explicit flags are never reset: pinned).
 _RESETS: dict[str, Any] = {
     "num_layers_per_virtual_pipeline_stage": None, "num_virtual_stages_per_pipeline_rank": None,
+    "pipeline_model_parallel_layout": None,
     "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
     "sequence_parallel": False, "recompute_granularity": None, "recompute_method": None,
     "recompute_num_layers": None, "use_distributed_optimizer": False, "overlap_param_gather": False,

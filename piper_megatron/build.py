@@ -125,6 +125,7 @@ def _plan_fields(plan: ParallelPlan) -> dict[str, Any]:
         sequence_parallel=plan.sequence_parallel,
         num_layers_in_first_pipeline_stage=plan.num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=plan.num_layers_in_last_pipeline_stage,
+        pipeline_model_parallel_layout=plan.pipeline_layout,
         params_dtype=dtype, bf16=plan.precision == "bf16", fp16=plan.precision == "fp16",
     )
     if plan.pp > 1:

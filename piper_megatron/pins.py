@@ -143,9 +143,20 @@ class Pins:
         return ", ".join(parts) or "none"
 
 
+LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+
+
 def pins_from(argv: Sequence[str], options: PiperOptions) -> Pins:
     """The pins of a command line; rejects flags the search cannot honour (SpecError)."""
     given = explicit_flags(argv)
+    args = list(argv)
+    at = next((i for i, a in enumerate(args) if a == LAYOUT_FLAG or a.startswith(LAYOUT_FLAG + "=")), None)
+    if at is not None:
+        value = args[at].partition("=")[2] or (args[at + 1] if at + 1 < len(args) else None)
+        raise SpecError(LAYOUT_FLAG, value,
+                        "--piper chooses the pipeline layout with the plan (and writes it where a split needs one); a "
+                        "layout given on the command line cannot be pinned yet",
+                        "drop it, or plan with `piper plan --export-megatron` and run without --piper")
     if "decoder_first_pipeline_num_layers" in given:
         raise SpecError("--decoder-first-pipeline-num-layers", given["decoder_first_pipeline_num_layers"],
                         "Piper's search splits layers evenly or shortens the last stage only",

@@ -26,6 +26,7 @@ KEYS: dict[str, str] = {
     "p2pov": "overlap_p2p_comm", "grouped_gemm": "moe_grouped_gemm",
     "first_stage_layers": "num_layers_in_first_pipeline_stage",
     "last_stage_layers": "num_layers_in_last_pipeline_stage",
+    "layout": "pipeline_layout",
 }
 _INTS = {"tp", "pp", "vpp", "ep", "etp", "cp", "mbs", "gbs", "recompute_layers", "chunks",
          "first_stage_layers", "last_stage_layers"}
@@ -61,7 +62,11 @@ def parse_parallel(text: str, gpus: int, **defaults: Any) -> ParallelPlan:
     (nothing is switched on silently).
     """
     fields: dict[str, Any] = dict(defaults)
+    key = None
     for item in filter(None, (p.strip() for p in text.split(","))):
+        if key == "layout" and "=" not in item:  # a layout's cosmetic comma: "layout=Ett|(tt|)*29,tL"
+            fields["pipeline_layout"] += item
+            continue
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep:

@@ -17,7 +17,8 @@ HELP_PARALLEL = ("comma-separated key=value: tp, pp, vpp, ep, etp, cp, sp (0/1),
                  "(flat|hierarchical|dedup: once per node, Megatron's flex dispatcher), chunks (N > 1 pipelines the exchange), shx (shared expert overlap), "
                  "epov (Megatron's EP overlap), dwg (deferred expert weight gradients), p2pov (0/1: Megatron's p2p "
                  "overlap with vpp, default 1), grouped_gemm (0/1: --moe-grouped-gemm; default: the accelerator's), "
-                 "first_stage_layers, last_stage_layers")
+                 "first_stage_layers, last_stage_layers, layout (Megatron's --pipeline-model-parallel-layout, "
+                 "e.g. layout=Ett|(tt|)*29,tL; vpp must match its stage count)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -57,6 +58,8 @@ def _settings(plan) -> str:
     out = " p2pov=0" if plan.vpp and not plan.overlap_p2p_comm else ""
     if plan.fp8 is not None:
         out += f" fp8={plan.fp8}/{plan.fp8_recipe}" + (" fp8_param=1" if plan.fp8_param else "")
+    if plan.pipeline_layout is not None:
+        out += f" layout={plan.pipeline_layout}"
     return out + (f" grouped_gemm={int(plan.moe_grouped_gemm)}" if plan.moe_grouped_gemm is not None else "")
 
 
@@ -107,6 +110,12 @@ def render(p: Prediction, *, overrides: str = "") -> str:
     lines += [f"stage {s.stage}: total counts Megatron's global memory buffer ({s.workspace / GIB:.4f} GiB, the local "
               f"spec's unfused attention input), kept through the step" for s in p.stages if s.workspace]
     t, r = p.time, p.rate
+    if plan.pp > 1:  # each pipeline rank's own time per micro-batch (the schedule adds the bubble)
+        lines += ["", "time per pipeline stage (ms per micro-batch, forward and backward; the schedule adds the bubble)",
+                  "  ".join(f"{h:>8}" for h in ("stage", "compute", "a2a", "comm", "p2p", "total"))]
+        lines += ["  ".join(f"{x:>8}" for x in (str(st.stage), *(f"{1e3 * v:.3g}" for v in (st.compute, st.a2a, st.comm,
+                                                                                           st.p2p, st.total))))
+                  for st in t.stages]
     parts = ", ".join(f"{k.replace('_', ' ')} {v:.3g} s" for k, v in t.breakdown().items())
     lines += ["", f"step time {t.step:.3g} s ({parts})",
               f"MFU {100 * r.mfu:.1f}% of dense {plan.precision} peak | {r.tflops_per_gpu:.1f} TFLOPS/GPU | "

@@ -126,16 +126,17 @@ def stage_params(model: ModelSpec, plan: ParallelPlan) -> tuple[ParamCount, ...]
     unless it sits on the same rank (pp == 1) -- GPTModel ``skip_weight_param_allocation``.
     """
     return _stage_params(model, plan.tp, plan.ep, plan.etp_size, plan.pp, plan.vpp,
-                         plan.num_layers_in_first_pipeline_stage, plan.num_layers_in_last_pipeline_stage)
+                         plan.num_layers_in_first_pipeline_stage, plan.num_layers_in_last_pipeline_stage,
+                         plan.pipeline_layout)
 
 
 @functools.lru_cache(maxsize=16384)
 def _stage_params(model: ModelSpec, tp: int, ep: int, etp: int, pp: int, vpp: int | None, first: int | None,
-                  last: int | None) -> tuple[ParamCount, ...]:
+                  last: int | None, layout: str | None = None) -> tuple[ParamCount, ...]:
     out = []
     plan = ParallelPlan(gpus=tp * pp * ep * etp, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, global_batch_size=ep * etp,
                         sequence_parallel=tp > 1, num_layers_in_first_pipeline_stage=first,
-                        num_layers_in_last_pipeline_stage=last)
+                        num_layers_in_last_pipeline_stage=last, pipeline_layout=layout)
     for rank, count in enumerate(_layers_params(model, plan)):
         extra = 0
         if rank == 0:

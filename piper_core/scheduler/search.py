@@ -25,6 +25,7 @@ from piper_core.errors import Infeasible, SpecError
 from piper_core.resource import activations
 from piper_core.resource.memory import GIB, _state_bytes, peak_bytes, stage_memory
 from piper_core.resource.params import stage_layer_params, stage_params
+from piper_core.specs.layout import balanced_layout
 from piper_core.resource.predict import Prediction, predict
 from piper_core.scheduler.space import UNPIPELINED, A2AVariant, SearchSpace, default_space, pipeline_split
 from piper_core.specs.cluster import ClusterSpec
@@ -100,6 +101,10 @@ def _structural(model: ModelSpec, gpus: int, gbs: int, combo: tuple, sequence_pa
     if cp > 1 and model.seq_length % (2 * cp):
         return None, "seq_length not divisible by 2*cp"
     last, reason = pipeline_split(model.num_layers, pp, vpp)
+    layout = None
+    if reason and vpp > 1:  # no even split over pp x vpp: Megatron's layout, embedding and loss a layer each
+        layout = balanced_layout(model.num_layers, pp, vpp)
+        reason = None if layout is not None else reason
     if reason:
         return None, reason
     if gbs % (mbs * dp):
@@ -108,7 +113,7 @@ def _structural(model: ModelSpec, gpus: int, gbs: int, combo: tuple, sequence_pa
                   sequence_parallel=tp > 1 and sequence_parallel, micro_batch_size=mbs, global_batch_size=gbs,
                   recompute=recompute, recompute_num_layers=1 if recompute == "full" else None,
                   distributed_optimizer=dist_opt, shared_expert_overlap=shared_overlap and bool(model.moe_shared_expert_intermediate_size),
-                  num_layers_in_last_pipeline_stage=last)
+                  num_layers_in_last_pipeline_stage=last, pipeline_layout=layout)
     return kwargs, None
 
 

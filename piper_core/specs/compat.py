@@ -121,38 +121,59 @@ def stage_layers(model: ModelSpec, plan: ParallelPlan) -> tuple[tuple[tuple[int,
     """Global layer indices per pipeline rank, per virtual chunk: ``[pp_rank][vp_chunk] -> layers``.
 
     Megatron assigns layers to virtual stages in the order ``v * pp + p`` (chunk-major), each pp rank
-    holding ``count / vpp`` consecutive layers per chunk (``get_transformer_layer_offset``).
+    holding ``count / vpp`` consecutive layers per chunk (``get_transformer_layer_offset``), or as
+    many as the plan's pipeline layout puts in that stage (``PipelineParallelLayerLayout.
+    get_layer_offset``).
     """
     return _stage_layers(model, plan.pp, plan.vpp, plan.num_layers_in_first_pipeline_stage,
-                         plan.num_layers_in_last_pipeline_stage)
+                         plan.num_layers_in_last_pipeline_stage, plan.pipeline_layout)
 
 
 @functools.cache
 def _stage_layers(model: ModelSpec, pp: int, vpp_or_none: int | None, first: int | None,
-                  last: int | None) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    plan = _LayoutPlan(pp=pp, vpp=vpp_or_none, num_layers_in_first_pipeline_stage=first,
-                       num_layers_in_last_pipeline_stage=last)
-    counts = _pp_layer_counts(model, plan)  # type: ignore[arg-type]
-    vpp = plan.virtual_stages
+                  last: int | None, layout: str | None = None) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    vpp = vpp_or_none or 1
+    if layout is not None:
+        per_stage = _layout_counts(model, layout)
+    else:
+        plan = _LayoutPlan(pp=pp, vpp=vpp_or_none, num_layers_in_first_pipeline_stage=first,
+                           num_layers_in_last_pipeline_stage=last)
+        counts = _pp_layer_counts(model, plan)  # type: ignore[arg-type]
+        per_stage = tuple(counts[p] // vpp for v in range(vpp) for p in range(pp))
     out: list[list[tuple[int, ...]]] = [[] for _ in range(pp)]
     start = 0
     for v in range(vpp):
         for p in range(pp):
-            n = counts[p] // vpp
+            n = per_stage[v * pp + p]
             out[p].append(tuple(range(start, start + n)))
             start += n
     return tuple(tuple(chunks) for chunks in out)
 
 
+def _layout_counts(model: ModelSpec, layout: str) -> tuple[int, ...]:
+    """Layers per virtual stage of ``layout`` for ``model``, after the rules that need the model."""
+    from piper_core.specs.layout import decoder_counts, parse_layout
+
+    stages = parse_layout(layout)
+    counts = decoder_counts(stages)
+    if sum(counts) != model.num_layers:
+        raise SpecError("pipeline_layout", layout, f"places {sum(counts)} transformer layers (t), but {model.name} has "
+                        f"{model.num_layers}", f"write {model.num_layers} t's over the stages")
+    if "m" in "".join(stages):
+        raise SpecError("pipeline_layout", layout, f"places MTP layers (m), which Piper's model of {model.name} does not "
+                        "have yet (multi-token prediction is not priced)", "drop the m's from the layout")
+    return counts
+
+
 def stage_kinds(model: ModelSpec, plan: ParallelPlan) -> tuple[tuple[tuple[bool, ...], ...], ...]:
     """Like :func:`stage_layers`, but each layer replaced by whether it is a MoE layer."""
     return _stage_kinds(model, plan.pp, plan.vpp, plan.num_layers_in_first_pipeline_stage,
-                        plan.num_layers_in_last_pipeline_stage)
+                        plan.num_layers_in_last_pipeline_stage, plan.pipeline_layout)
 
 
 @functools.cache
 def _stage_kinds(model: ModelSpec, pp: int, vpp: int | None, first: int | None,
-                 last: int | None) -> tuple[tuple[tuple[bool, ...], ...], ...]:
+                 last: int | None, layout: str | None = None) -> tuple[tuple[tuple[bool, ...], ...], ...]:
     pattern = model.moe_layer_pattern
     return tuple(tuple(tuple(pattern[i] for i in chunk) for chunk in rank)
-                 for rank in _stage_layers(model, pp, vpp, first, last))
+                 for rank in _stage_layers(model, pp, vpp, first, last, layout))

@@ -65,6 +65,11 @@ class ParallelPlan:
     (time), :data:`piper_core.resource.memory.FP8_WEIGHT_CACHE_BYTES` and
     :data:`piper_core.resource.activations.FP8_SAVED_INPUTS` (memory).
 
+    ``pipeline_layout``: Megatron's ``--pipeline-model-parallel-layout`` (:mod:`piper_core.specs.layout`):
+    which layers, and the embedding and loss, each of the ``pp x vpp`` virtual stages holds, for
+    splits the even and first/last-stage ones cannot give (DeepSeek-V3's 61 layers over pp 8 x vpp
+    4); ``vpp`` must be its stage count over pp, and it replaces the first/last stage counts.
+
     ``a2a``: the expert exchange. ``flat`` (one all-to-all, Megatron's alltoall dispatcher) and
     ``hierarchical`` (intra-node, then inter-node; Piper's) send a token once per selected expert;
     ``dedup`` sends it across nodes once per destination node and fans it out there (DeepEP or
@@ -102,6 +107,7 @@ class ParallelPlan:
     moe_grouped_gemm: bool | None = None
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
+    pipeline_layout: str | None = None
 
     _hash: int = field(init=False, repr=False, compare=False)
 
@@ -142,7 +148,22 @@ class ParallelPlan:
         divides("micro_batch_size*dp", self.micro_batch_size * self.dp, "global_batch_size", self.global_batch_size)
         self._check_options()
 
+    def _check_layout(self) -> None:
+        from piper_core.specs.layout import check_layout, parse_layout
+
+        text = self.pipeline_layout
+        vpp = check_layout(parse_layout(text), self.pp, text=text)
+        if (vpp if vpp > 1 else None) != self.vpp:
+            raise SpecError("vpp", self.vpp, f"the pipeline layout has {vpp * self.pp} stages over pp {self.pp}, so vpp "
+                            f"is {vpp if vpp > 1 else 'unset'} (Megatron derives it from the layout)",
+                            f"set vpp={vpp}" if vpp > 1 else "leave vpp unset")
+        if self.num_layers_in_first_pipeline_stage is not None or self.num_layers_in_last_pipeline_stage is not None:
+            raise SpecError("pipeline_layout", text, "replaces the first/last pipeline stage layer counts (Megatron "
+                            "allows one of them)", "drop num_layers_in_first/last_pipeline_stage, or the layout")
+
     def _check_options(self) -> None:
+        if self.pipeline_layout is not None:
+            self._check_layout()
         if self.vpp is not None and self.pp == 1:
             raise SpecError("vpp", self.vpp, "interleaving needs pipeline parallelism (pp > 1)",
                             "remove vpp or raise pp")

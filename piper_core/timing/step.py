@@ -95,7 +95,7 @@ def _stage_layer_kinds(model: ModelSpec, plan: ParallelPlan) -> tuple[Kinds, ...
     block = plan.recompute_num_layers if plan.recompute_method == "block" else None
     full = plan.recompute == "full"
     key = (model, plan.pp, plan.vpp, plan.num_layers_in_first_pipeline_stage, plan.num_layers_in_last_pipeline_stage,
-           full, block)
+           plan.pipeline_layout, full, block)
     kinds = _KINDS.get(key)
     if kinds is None:
         if len(_KINDS) > 4096:
@@ -348,7 +348,7 @@ class ExchangeVariants:
         self.m, self.vpp = base.num_microbatches, base.virtual_stages
         tp, cp, dp, mbs = base.tp, base.cp, base.dp, base.micro_batch_size
         sizes = (model, cluster, tp, cp, dp, base.pp, base.vpp, base.num_layers_in_first_pipeline_stage,
-                 base.num_layers_in_last_pipeline_stage, base.ep, base.etp_size)
+                 base.num_layers_in_last_pipeline_stage, base.pipeline_layout, base.ep, base.etp_size)
         self.p2p = _memo(cache, ("p2p", sizes, mbs, base.sequence_parallel), _p2p_message, model, base, cluster)
         self.logits = _memo(cache, ("logits", model, cluster, tp, cp, mbs, base.precision), _logits, model, base, cluster)
         self.overhead = cluster.accelerator.microbatch_overhead_us * 1e-6 / base.pp

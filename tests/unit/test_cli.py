@@ -82,23 +82,28 @@ def test_deepseek_predict_answers_under_one_second_and_without_torch():
     assert min(walls) < 1.0, f"piper predict deepseek-v3 took {walls} s wall (interpreter start included)"
 
 
-def test_deepseek_plan_searches_the_whole_space_within_two_seconds():
+def test_deepseek_plan_searches_the_whole_space_within_the_bound():
     """Issue 14: ``piper plan deepseek-v3 --cluster dgx-h100 --gpus 1024`` searches the whole default
-    space (680,778 plans) in <= 2 s on this machine: the search's own time as the command reports it
+    space (772,848 plans) quickly: the search's own time as the command reports it
     (``search.elapsed_s``), with the command's default workers (one per CPU: 2 here). On 2026-12-05
     (AMD EPYC without bf16 instructions, slower per core than the 2026-12-04 machine) that was
     1.58-1.85 s; one worker (``--workers 1``) took 2.6-3.0 s there. Pricing the stage workspace
     (f83c0aa) took it to 1.8-2.3 s on 2026-12-06 and failed CI at 2.08 s; pricing each distinct chunk
     structure once per plan (``memory._chunk_activations``) brought it to 1.36-1.43 s the same day.
-    The best of up to 3 runs: other jobs on a shared machine only ever add time."""
+    On 2026-12-07 Megatron's pipeline layouts (issue 16) made the plans with vpp > 1 that 61 layers
+    could not split evenly searchable: 30,354 -> 78,486 feasible plans, 1.44 s -> 3.50-3.59 s on a
+    quiet machine, the same time per feasible plan (47 and 45 us). So the bound is on both: the whole
+    search within 5 s, and at most 65 us per feasible plan (the old 2 s bound's margin over 1.44 s,
+    1.39x, on each). The best of up to 3 runs: other jobs on a shared machine only ever add time."""
     searches = []
     for _ in range(3):
         proc = subprocess.run([sys.executable, "-m", "piper_core.cli.main", "plan", "deepseek-v3", "--cluster",
                                "dgx-h100", "--gpus", "1024", "--json"], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
-        assert out["candidates"] > 600_000 and out["feasible"] > 0
-        searches.append(out["search"]["elapsed_s"])
-        if searches[-1] <= 2.0:
+        assert out["candidates"] > 700_000 and out["feasible"] > 70_000
+        searches.append((out["search"]["elapsed_s"], out["search"]["elapsed_s"] / out["feasible"] * 1e6))
+        if searches[-1][0] <= 5.0 and searches[-1][1] <= 65.0:
             break
-    assert min(searches) <= 2.0, f"piper plan deepseek-v3 --gpus 1024 searched for {searches} s"
+    assert any(elapsed <= 5.0 and us <= 65.0 for elapsed, us in searches), \
+        f"piper plan deepseek-v3 --gpus 1024 searched for (s, us per feasible plan) {searches}"

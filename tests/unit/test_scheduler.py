@@ -393,7 +393,7 @@ def test_forked_search_equals_the_serial_search(workers, space):
     cluster = load_cluster("dgx-h100")
     serial = search(DEEPSEEK_7, cluster, 64, 256, space=space)
     forked = search(DEEPSEEK_7, cluster, 64, 256, space=space, workers=workers)
-    assert len(serial.scored) > 100 and len(serial.rejected) >= 3
+    assert len(serial.scored) > 100 and len(serial.rejected) >= 2
     assert forked.candidates == serial.candidates
     assert list(forked.rejected.items()) == list(serial.rejected.items())  # counts and first-seen order
     assert _rows(forked.scored) == _rows(serial.scored)  # every plan, time and peak, in the grid's order

@@ -1,0 +1,124 @@
+"""Megatron's pipeline layouts (issue 16): read, written, priced and searched.
+
+DeepSeek-V3's 61 layers split over pp 8 x vpp 4 only with ``--pipeline-model-parallel-layout``;
+Megatron-Bridge trains it so. The layout decides which layers each virtual stage holds, so every
+term that walks the stages (parameters, memory, time) follows it. The check against Megatron-Core's
+own parser is tests/megatron/test_export_flags.py::test_searched_layouts_are_megatron_cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from piper_core.cli.parse import parse_parallel
+from piper_core.errors import SpecError
+from piper_core.export import deepspeed_compatible, parallel_flags, plan_label
+from piper_core.presets import load_cluster, load_model
+from piper_core.resource.predict import predict
+from piper_core.scheduler.search import search
+from piper_core.specs.compat import stage_layers
+from piper_core.specs.layout import balanced_layout, decoder_counts, layout_string, parse_layout
+from piper_core.specs.parallel import ParallelPlan
+
+DSV3 = load_model("deepseek-v3")
+H100 = load_cluster("dgx-h100")
+# Megatron-Bridge's DeepSeek-V3 layout at pp 8 x vpp 4 with its MTP layer's slot ("m") left out
+BRIDGE = "Et*2|(tt|)*22t|(tt|)*7L"
+
+
+def test_megatrons_syntax_unrolls_as_megatron_does():
+    stages = parse_layout(BRIDGE)
+    assert len(stages) == 32 and stages[0] == "Ett" and stages[23] == "t" and stages[-1] == "L"
+    assert sum(decoder_counts(stages)) == 61
+    assert parse_layout("E|(t|)*3,m|m||L") == ("E", "t", "t", "t", "m", "m", "", "L")  # arguments.py's own example
+    assert parse_layout("Ett|(tt|)*29,tL") == parse_layout("Ett|" + "tt|" * 29 + "tL")
+
+
+@pytest.mark.parametrize("layers, pp, vpp", [(61, 8, 4), (61, 16, 2), (94, 8, 4), (24, 4, 4), (61, 4, 2)])
+def test_balanced_layouts_hold_every_layer_and_read_back(layers, pp, vpp):
+    text = balanced_layout(layers, pp, vpp)
+    stages = parse_layout(text)
+    assert len(stages) == pp * vpp and stages[0].startswith("E") and stages[-1].endswith("L")
+    assert sum(decoder_counts(stages)) == layers
+    slots = [len(s) for s in stages]  # E and L take a layer's slot each
+    assert max(slots) - min(slots) <= 1
+    assert parse_layout(layout_string(stages)) == stages
+
+
+def test_the_plan_takes_a_layout_and_its_vpp():
+    plan = parse_parallel(f"tp=1,pp=8,vpp=4,ep=64,mbs=1,gbs=8192,layout={BRIDGE}", 1024)
+    layers = stage_layers(DSV3, plan)
+    # stage i = v * pp + p holds consecutive layers in layer order (Megatron get_layer_offset)
+    assert layers[0][0] == (0, 1) and layers[0][1] == tuple(range(16, 18)) and layers[7][3] == ()
+    assert layers[7][2] == (46,) and layers[6][3] == (59, 60) and sum(len(c) for rank in layers for c in rank) == 61
+    assert parse_parallel("tp=1,pp=4,vpp=2,ep=64,mbs=1,gbs=8192,layout=Ett*7|(t*8|)*6,t*7L", 1024).pipeline_layout
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(pp=8, vpp=2), r"vpp=2: the pipeline layout has 32 stages over pp 8, so vpp is 4.*set vpp=4"),
+    (dict(pp=8), r"vpp=None: the pipeline layout has 32 stages over pp 8, so vpp is 4"),
+    (dict(pp=6, vpp=4), r"has 32 stages, not a multiple of pp \(6\)"),
+    (dict(pp=8, vpp=4, num_layers_in_last_pipeline_stage=4), r"replaces the first/last pipeline stage layer counts"),
+])
+def test_plan_rules(fields, message):
+    with pytest.raises(SpecError, match=message):
+        ParallelPlan(gpus=1536 if fields["pp"] == 6 else 1024, global_batch_size=8192, pipeline_layout=BRIDGE, **fields)
+
+
+@pytest.mark.parametrize("layout, message", [
+    ("tE|(tt|)*30tL", r"must hold E \(embedding\) exactly once, as the first symbol"),
+    ("Ett|(tt|)*30t", r"must hold L \(loss\) exactly once"),
+    ("Ext|(tt|)*30L", r"has 'x', which no layout symbol is"),
+])
+def test_bad_layouts_are_refused(layout, message):
+    with pytest.raises(SpecError, match=message):
+        ParallelPlan(gpus=1024, pp=8, vpp=4, global_batch_size=8192, pipeline_layout=layout)
+
+
+def test_the_model_checks_the_layers_and_refuses_mtp_for_now():
+    with pytest.raises(SpecError, match=r"places 60 transformer layers \(t\), but deepseek-v3 has 61"):
+        predict(DSV3, H100, ParallelPlan(gpus=1024, pp=8, vpp=4, ep=64, global_batch_size=8192,
+                                         pipeline_layout="Et|(tt|)*22t|(tt|)*7L"))
+    with pytest.raises(SpecError, match=r"places MTP layers \(m\).*drop the m's"):
+        predict(DSV3, H100, ParallelPlan(gpus=1024, pp=8, vpp=4, ep=64, global_batch_size=8192,
+                                         pipeline_layout="Et*2|(tt|)*22t|(tt|)*7mL"))
+
+
+def test_stages_are_priced_as_the_layout_puts_them():
+    plan = parse_parallel(f"tp=1,pp=8,vpp=4,ep=64,mbs=1,gbs=8192,layout={BRIDGE}", 1024)
+    p = predict(DSV3, H100, plan)
+    assert [s.layers for s in p.stages] == [8, 8, 8, 8, 8, 8, 8, 5]  # the last rank: t, tt, tt, and L alone
+    assert p.stages[-1].params.total < p.stages[1].params.total + p.stages[0].params.total
+    assert p.time.stages[-1].compute < p.time.stages[1].compute
+
+
+def test_exports_write_the_layout_not_vpp_flags():
+    plan = parse_parallel(f"tp=1,pp=8,vpp=4,ep=64,mbs=1,gbs=8192,layout={BRIDGE}", 1024)
+    flags = dict(parallel_flags(DSV3, plan))
+    assert flags["--pipeline-model-parallel-layout"] == BRIDGE
+    assert "--num-layers-per-virtual-pipeline-stage" not in flags and "--num-virtual-stages-per-pipeline-rank" not in flags
+    assert " layout " in plan_label(plan) and "pipeline layout" in deepspeed_compatible(plan)
+
+
+def test_deepseek_v3_plans_with_vpp_exist_now():
+    """Issue 16's acceptance: ``piper plan deepseek-v3 --cluster dgx-h100 --gpus 1024 --gbs 8192``
+    includes layout plans with vpp > 1 (none existed: 61 layers split over no pp x vpp)."""
+    result = search(DSV3, H100, 1024, 8192)
+    layouts = [s.plan for s in result.scored if s.plan.pipeline_layout is not None]
+    assert layouts and all(p.vpp and p.vpp > 1 for p in layouts)
+    assert any(s.plan.pipeline_layout for s in result.best(10))
+    for plan in {p.pipeline_layout: p for p in layouts}.values():
+        assert parse_layout(plan.pipeline_layout) == parse_layout(balanced_layout(61, plan.pp, plan.vpp))
+
+
+@pytest.mark.parametrize("argv", [["--pipeline-model-parallel-layout", BRIDGE], [f"--pipeline-model-parallel-layout={BRIDGE}"]])
+def test_piper_refuses_a_layout_on_the_command_line(argv):
+    """--piper writes the layout with the plan; one given on the command line is refused by name, not
+    overwritten (Megatron's flag is not a pin yet)."""
+    from piper_megatron.args import parse_piper_options
+    from piper_megatron.pins import pins_from
+
+    rest = ["--num-layers", "61", *argv]
+    options = parse_piper_options(["--piper", *rest])
+    with pytest.raises(SpecError, match=r"--pipeline-model-parallel-layout='Et\*2\|.*cannot be pinned yet; drop it"):
+        pins_from(rest, options)
