@@ -230,6 +230,12 @@ def _parts(cluster: ClusterSpec, run: dict[str, Any], world: int) -> tuple[tuple
     return (rest[0], gbytes[0]), (rest[1], gbytes[1])
 
 
+def slowest_rank(probe_results: list[dict[str, Any]]) -> list[tuple[dict[str, Any], float, float]]:
+    """Per probe run (as rank 0 recorded it): the slowest rank's (run, training step s, forward pass s)."""
+    return [(run, max(r["runs"][i]["step_s"] for r in probe_results), max(r["runs"][i]["forward_s"] for r in probe_results))
+            for i, run in enumerate(probe_results[0]["runs"])]
+
+
 def fit_overheads(cluster: ClusterSpec, probe_results: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, Any]]:
     """The host-overhead fields and the in-situ element-wise rate fitted to the probe runs (slowest
     rank per run), and fit info. ``cluster`` carries the already-fitted kernel and link terms.
@@ -241,11 +247,7 @@ def fit_overheads(cluster: ClusterSpec, probe_results: list[dict[str, Any]]) -> 
     fitted forward overheads of the run's layers).
     """
     world = len(probe_results)
-    runs = []
-    for i, run in enumerate(probe_results[0]["runs"]):
-        step = max(r["runs"][i]["step_s"] for r in probe_results)
-        fwd = max(r["runs"][i]["forward_s"] for r in probe_results)
-        runs.append((run, step, fwd))
+    runs = slowest_rank(probe_results)
     zero = _with(cluster, **{f: (2.0 if f == "backward_overhead_factor" else 0.0) for f in FIELDS})
     parts = [_parts(zero, run, world) for run, _, _ in runs]
     f_rows, f_ys, counts = [], [], []

@@ -103,12 +103,17 @@ transpose for the backward GEMMs (Hopper's FP8 GEMMs take only the TN layout). W
 the 2 bytes of a bf16 parameter: no cache on top."""
 
 
-def _state_bytes(params: ParamCount, plan: ParallelPlan, fp8_weights: int = 0) -> StateBytes:
+def fp8_weights(model: ModelSpec, plan: ParallelPlan) -> tuple[int, ...]:
+    """Per pipeline rank: the weights ``plan`` runs in FP8 (its layers' parameters; 0 without FP8)."""
+    return stage_layer_params(model, plan) if plan.fp8 is not None else (0,) * plan.pp
+
+
+def _state_bytes(params: ParamCount, plan: ParallelPlan, fp8_count: int = 0) -> StateBytes:
     """Weights, gradients, optimizer state (GPU and host) and the step's fp32 gradient copy for ``params``.
 
     An offloaded share keeps fp32 master weights, Adam m and v (12 bytes) and a pinned fp32
     gradient copy (4 bytes) per parameter on the host (Megatron ``HybridDeviceOptimizer``).
-    ``fp8_weights``: of ``params``, the weights an FP8 plan runs in FP8 (:data:`FP8_WEIGHT_CACHE_BYTES`).
+    ``fp8_count``: of ``params``, the weights an FP8 plan runs in FP8 (:data:`FP8_WEIGHT_CACHE_BYTES`).
     """
     grad_bytes = plan.grad_bytes
     fp32_grads = grad_bytes == 4
@@ -122,7 +127,7 @@ def _state_bytes(params: ParamCount, plan: ParallelPlan, fp8_weights: int = 0) -
     # (``.float()`` returns it), transient without offload, kept for good by the GPU share with it
     grad_copy = 0 if fp32_grads else 4 * shard
     optimizer = ((8 if fp32_weights else 12) * shard + (grad_copy if offload else 0)) * (1 - offload)
-    cache = FP8_WEIGHT_CACHE_BYTES * fp8_weights if plan.fp8 is not None and not plan.fp8_param else 0
+    cache = FP8_WEIGHT_CACHE_BYTES * fp8_count if plan.fp8 is not None and not plan.fp8_param else 0
     return StateBytes(weights=(4 if fp32_weights else 2) * params.total + cache, gradients=grad_bytes * params.total,
                       optimizer=math.ceil(optimizer),
                       step_gradients=0 if offload else math.ceil(grad_copy), host=math.ceil(16 * shard * offload))
@@ -248,9 +253,9 @@ def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
     kernels = activations.kernels_for(cluster.accelerator)
     buffers, last_buffers = _buffers(model, plan, kernels)
     workspace = activations.workspace_bytes(model, plan, kernels)
-    fp8_weights = stage_layer_params(model, plan) if plan.fp8 is not None else (0,) * plan.pp
+    fp8 = fp8_weights(model, plan)
     for rank, chunks in enumerate(stage_kinds(model, plan)):
-        state = _state_bytes(params[rank], plan, fp8_weights[rank])
+        state = _state_bytes(params[rank], plan, fp8[rank])
         acts, saved = _stage_activations(model, plan, rank, chunks, kernels)
         out.append(StageMemory(
             stage=rank, layers=sum(len(c) for c in chunks), params=params[rank], weights=state.weights,
@@ -258,6 +263,6 @@ def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
             activations=acts, unsaved=acts - saved,
             buffers=last_buffers if rank == plan.pp - 1 else buffers,
             overhead=round(cluster.memory_overhead_gib * GIB), workspace=workspace, host=state.host,
-            fp8_weights=fp8_weights[rank],
+            fp8_weights=fp8[rank],
         ))
     return tuple(out)

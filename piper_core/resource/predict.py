@@ -15,7 +15,7 @@ from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.specs.yamlio import to_dict
 from piper_core.timing.step import StepTime, Throughput, step_time, throughput
-from piper_core.timing.topology import expert_groups, level_shares
+from piper_core.timing.topology import expert_groups, level_shares, members_per_domain
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,11 +64,10 @@ class Prediction:
         if self.plan.ep == 1:
             return None
         group = expert_groups(self.plan)["ep"]
-        shares = level_shares(group, self.cluster)
-        inside = shares[0].peers + 1 if shares and shares[0].link == self.cluster.links[0] else 1
-        return {"ep": group.size, "stride": group.stride, "fast_domains": group.size // inside,
+        domains = group.size // members_per_domain(group, self.cluster.fast_domain_gpus)  # as hierarchical_stages
+        return {"ep": group.size, "stride": group.stride, "fast_domains": domains,
                 "links": [{"link": s.link.name, "peers": s.peers, "bandwidth_gb_per_s": s.link.bandwidth_gb_per_s}
-                          for s in shares]}
+                          for s in level_shares(group, self.cluster)]}
 
 
 def predict(model: ModelSpec, cluster: ClusterSpec, plan: ParallelPlan) -> Prediction:

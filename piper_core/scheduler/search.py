@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from piper_core.errors import Infeasible, SpecError
 from piper_core.resource import activations
-from piper_core.resource.memory import GIB, _state_bytes, peak_bytes, stage_memory
-from piper_core.resource.params import stage_layer_params, stage_params
+from piper_core.resource.memory import GIB, _state_bytes, fp8_weights, peak_bytes, stage_memory
+from piper_core.resource.params import stage_params
 from piper_core.specs.layout import balanced_layout
 from piper_core.resource.predict import Prediction, predict
 from piper_core.scheduler.space import UNPIPELINED, A2AVariant, SearchSpace, default_space, pipeline_split
@@ -465,10 +465,9 @@ class _Memory:
         if state is None:
             candidate = self._candidate(plan, saver)
             state = {}
-            fp8 = stage_layer_params(self.model, plan) if plan.fp8 is not None else (0,) * plan.pp
-            for params, fp8_weights in zip(stage_params(self.model, plan), fp8):
+            for params, fp8 in zip(stage_params(self.model, plan), fp8_weights(self.model, plan)):
                 if params not in state:
-                    bytes_ = _state_bytes(params, candidate, fp8_weights)
+                    bytes_ = _state_bytes(params, candidate, fp8)
                     state[params] = (bytes_.persistent, bytes_.host, bytes_.step_gradients)
             self.states[key] = state
         return state

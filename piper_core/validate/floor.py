@@ -102,6 +102,7 @@ def _profile_path(run: dict[str, Any], topology: str) -> Path:
 
 def _probe_steps(profile: Path) -> dict[str, float]:
     """The probe's step per probe run (slowest rank), as the profile stores it."""
+    from piper_core.calibrate.probe import slowest_rank
     from piper_core.calibrate.profile import read_profile
 
     cal = read_profile(profile).calibration
@@ -109,7 +110,7 @@ def _probe_steps(profile: Path) -> dict[str, float]:
     if not ranks:
         raise SpecError("calibration.benchmarks.overheads", str(profile), "has no host-overhead probe results",
                         "pass runs whose calibration ran the probe")
-    return {r["label"]: max(rank["runs"][i]["step_s"] for rank in ranks) for i, r in enumerate(ranks[0]["runs"])}
+    return {run["label"]: step for run, step, _ in slowest_rank(ranks)}
 
 
 def _relative_speed(steps: list[dict[str, float]]) -> list[float]:
