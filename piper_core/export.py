@@ -98,6 +98,8 @@ def model_flags(model: ModelSpec) -> list[Flag]:
             flags.append(("--kv-channels", model.kv_channels))
         if model.query_groups != model.num_attention_heads:
             flags += [("--group-query-attention", None), ("--num-query-groups", model.query_groups)]
+    if model.mtp_num_layers:
+        flags.append(("--mtp-num-layers", model.mtp_num_layers))
     return flags + _moe_flags(model)
 
 

@@ -212,6 +212,7 @@ _MODEL_FLAGS: tuple[tuple[str, str, Callable[[str], Any] | None, Any], ...] = (
     ("--moe-expert-capacity-factor", "moe_expert_capacity_factor", float, None),
     ("--moe-router-num-groups", "moe_router_num_groups", int, None),
     ("--moe-router-group-topk", "moe_router_group_topk", int, None),
+    ("--mtp-num-layers", "mtp_num_layers", int, None),
     ("--seq-length", "seq_length", int, None), ("--vocab-size", "vocab_size", int, None),
     ("--vocab-file", "vocab_file", str, None), ("--tokenizer-type", "tokenizer_type", str, None),
     ("--normalization", "normalization", str, "LayerNorm"),
@@ -391,6 +392,7 @@ def model_spec_from_args(ns: argparse.Namespace, defaults: Mapping[str, Any] | N
         add_qkv_bias=bool(getattr(ns, "add_qkv_bias", False)), qk_layernorm=bool(getattr(ns, "qk_layernorm", False)),
         position_embedding=_position(ns), attention_dropout=getattr(ns, "attention_dropout", 0.1),
         hidden_dropout=getattr(ns, "hidden_dropout", 0.1), mla=_mla(ns),
+        mtp_num_layers=getattr(ns, "mtp_num_layers", None) or 0,
     )
     if fields["mla"] is not None:
         fields.update(num_query_groups=None, kv_channels=None)

@@ -27,7 +27,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
+)
 from megatron.core.post_training.modelopt.layers import Linear as WholeLinear
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -67,7 +71,7 @@ def _model_fields(model: ModelSpec) -> dict[str, Any]:
         gated_linear_unit=model.gated_linear_unit, normalization=model.normalization,
         add_bias_linear=model.add_bias_linear, add_qkv_bias=model.add_qkv_bias,
         qk_layernorm=model.qk_layernorm, attention_dropout=model.attention_dropout,
-        hidden_dropout=model.hidden_dropout,
+        hidden_dropout=model.hidden_dropout, mtp_num_layers=model.mtp_num_layers or None,
     )
     if model.gated_linear_unit:
         fields["activation_func"] = F.silu  # SwiGLU, as megatron.training's --swiglu sets it
@@ -277,6 +281,18 @@ def block_spec(model: ModelSpec, config: TransformerConfig, *, pp_rank: int | No
     return _local_fixes(block)
 
 
+def mtp_spec(model: ModelSpec, config: TransformerConfig, *, pp_rank: int,
+             vp_stage: int | None = None) -> Any:
+    """The MTP block one pipeline rank's chunk builds (None where it runs no MTP layer): Megatron's
+    ``get_gpt_mtp_block_spec`` over the last decoder layer's spec, as Megatron-LM's
+    ``gpt_builders.py`` passes it, with this module's local-spec fixes."""
+    if not model.mtp_num_layers:
+        return None
+    spec = get_gpt_mtp_block_spec(config, layer_spec(model, moe=model.mtp_is_moe), use_transformer_engine=False,
+                                  vp_stage=vp_stage, pp_rank=pp_rank)
+    return None if spec is None else _local_fixes(spec)
+
+
 def _stage_flags(plan: ParallelPlan, pp_rank: int, vp_stage: int | None) -> tuple[bool, bool]:
     """(pre_process, post_process): embedding on the first chunk of rank 0, head on the last chunk
     of the last rank (parallel_state.is_pipeline_first_stage / is_pipeline_last_stage)."""
@@ -309,6 +325,7 @@ def gpt_model(model: ModelSpec, plan: ParallelPlan, *, device: Device = "cuda", 
             pre_process=pre_process, post_process=post_process,
             share_embeddings_and_output_weights=model.tie_embeddings,
             position_embedding_type=model.position_embedding, pg_collection=pg_collection, vp_stage=vp_stage,
+            mtp_block_spec=mtp_spec(model, config, pp_rank=pp_rank, vp_stage=vp_stage),
         )
 
 

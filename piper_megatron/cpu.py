@@ -48,6 +48,8 @@ _HOST_DEVICE_MODULES: dict[str, str] = {
     "megatron.core.utils":
         "GlobalMemoryBuffer.get_tensor, the unfused attention's score buffer, allocates on "
         "torch.cuda.current_device()",
+    "megatron.core.transformer.multi_token_prediction":
+        "MTPLossLoggingHelper.save_loss_to_tracker allocates the MTP loss tracker on torch.cuda.current_device()",
 }
 _MARK = "_piper_cpu_shim"
 

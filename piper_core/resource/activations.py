@@ -453,6 +453,34 @@ def output_activation_bytes(model: ModelSpec, plan: ParallelPlan, *, kernels: Ke
     return sum(out.values())
 
 
+def mtp_activation_bytes(model: ModelSpec, plan: ParallelPlan, *, kernels: Kernels = GPU_DEFAULTS) -> int:
+    """Bytes one MTP layer keeps per micro-batch besides its transformer layer (whose activations
+    are a decoder layer's: :func:`layer_activation_bytes`).
+
+    ``MultiTokenPredictionLayer``: an embedding lookup of the shifted tokens
+    (:func:`embedding_activation_bytes`), the embedding and hidden-state norms, the ``[s, b, 2h]``
+    concatenation the ``2h -> h`` column-parallel projection saves (SP-local with sequence
+    parallelism), and its final norm, output layer and loss (:func:`output_activation_bytes`). Under
+    full recompute the projection, its norms and the final norm run inside the checkpoint, which
+    keeps its two inputs instead (the transformer layer's is counted with the layer).
+    """
+    d = _dims(model, plan)
+    k = _in_dtype(kernels, d.act)
+    h = model.hidden_size
+    out: dict[str, int] = {}
+    if plan.recompute == "full":
+        out["checkpoint.decoder_input"] = d.local * h * d.act
+        final: dict[str, int] = {}
+        _norm_terms(model, d, k, "final_norm", final)
+        out["output"] = output_activation_bytes(model, plan, kernels=kernels) - sum(final.values())
+    else:
+        _norm_terms(model, d, k, "enorm", out)
+        _norm_terms(model, d, k, "hnorm", out)
+        out["eh_proj.input"] = d.local * 2 * h * d.act
+        out["output"] = output_activation_bytes(model, plan, kernels=kernels)
+    return sum(out.values()) + embedding_activation_bytes(model, plan, kernels=kernels)
+
+
 def local_spec(plan: ParallelPlan, k: Kernels) -> bool:
     """Megatron-Core's local (non-Transformer-Engine) layer spec: what the CPU trainer builds
     (host kernels with unfused attention, ``DotProductAttention`` and the ``tensor_parallel`` linears)."""

@@ -61,10 +61,18 @@ def logit_flops_per_token(model: ModelSpec, tp: int = 1) -> float:
     return _GEMM * model.hidden_size * model.padded_vocab(tp)
 
 
+def mtp_flops_per_token(model: ModelSpec, tp: int = 1) -> float:
+    """One MTP layer per token, as Megatron counts it: a transformer layer of the last decoder layer's
+    kind, its norms and ``2h -> h`` projection (``3h + 2h^2`` multiply-adds), and its own logits."""
+    h = model.hidden_size
+    return (layer_flops_per_token(model, model.num_layers - 1) + _GEMM * (3 * h + 2 * h * h)
+            + logit_flops_per_token(model, tp))
+
+
 def model_flops_per_token(model: ModelSpec, tp: int = 1) -> float:
-    """Megatron's model FLOPs per token (all layers + logits), fwd+bwd."""
+    """Megatron's model FLOPs per token (all layers, MTP layers included, + logits), fwd+bwd."""
     layers = sum(layer_flops_per_token(model, i) for i in range(model.num_layers))
-    return layers + logit_flops_per_token(model, tp)
+    return layers + logit_flops_per_token(model, tp) + model.mtp_num_layers * mtp_flops_per_token(model, tp)
 
 
 def recomputed_layers(model: ModelSpec, plan: ParallelPlan) -> frozenset[int]:
@@ -104,9 +112,14 @@ def step_flops(model: ModelSpec, plan: ParallelPlan) -> StepFlops:
     tokens = plan.global_batch_size * model.seq_length
     per_token = model_flops_per_token(model, plan.tp)
     extra = 0.0
+    mtp = model.mtp_num_layers
     if plan.recompute == "selective":
-        extra += _core_attention_forward(model) * model.num_layers
+        extra += _core_attention_forward(model) * (model.num_layers + mtp)
     for i in recomputed_layers(model, plan):
         extra += layer_flops_per_token(model, i) / 3  # one more forward of the layer
-    extra += _GEMM * model.hidden_size * model.num_experts * model.num_moe_layers  # router GEMM
+    if plan.recompute == "full":  # an MTP layer checkpoints its projection and layer whatever the method
+        h = model.hidden_size
+        extra += mtp * (layer_flops_per_token(model, model.num_layers - 1) + _GEMM * 2 * h * h) / 3
+    moe_layers = model.num_moe_layers + (mtp if model.mtp_is_moe else 0)
+    extra += _GEMM * model.hidden_size * model.num_experts * moe_layers  # router GEMM
     return StepFlops(model=per_token * tokens, hardware=(per_token + extra) * tokens, tokens=tokens)

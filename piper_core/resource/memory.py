@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from piper_core.resource import activations
 from piper_core.resource.params import ParamCount, stage_layer_params, stage_params
 from piper_core.specs.cluster import ClusterSpec
-from piper_core.specs.compat import stage_kinds
+from piper_core.specs.compat import mtp_layers, stage_blocks
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 
@@ -153,13 +153,17 @@ def _stage_activations(model: ModelSpec, plan: ParallelPlan, rank: int, chunks: 
     """Activation bytes rank ``rank`` keeps at its peak (all in-flight micro-batches): all of them, and
     those autograd saves (without what is kept outside its saved tensors, :data:`activations.UNSAVED`).
 
-    ``chunks`` holds, per model chunk of the rank, whether each layer is a MoE layer; ``kernels``
+    ``chunks`` holds, per model chunk of the rank, whether each layer (MTP layers' transformer layers
+    included, :func:`stage_blocks`) is a MoE layer; ``kernels``
     what the accelerator's kernels keep (:func:`activations.kernels_for`).
     """
     per_chunk = _chunk_activations(model, plan, chunks, kernels)
     in_flight = in_flight_chunks(plan, rank)
     embedding = activations.embedding_activation_bytes(model, plan, kernels=kernels) if rank == 0 else 0
     output = activations.output_activation_bytes(model, plan, kernels=kernels) if rank == plan.pp - 1 else 0
+    mtp = mtp_layers(model, plan)[rank]
+    if mtp:  # the MTP layers' own embedding lookup, projection and loss, per micro-batch like the output's
+        output += mtp * activations.mtp_activation_bytes(model, plan, kernels=kernels)
     out = []
     for per_mb, transient in per_chunk:
         held = in_flight * per_mb / len(chunks)
@@ -254,7 +258,7 @@ def stage_memory(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
     buffers, last_buffers = _buffers(model, plan, kernels)
     workspace = activations.workspace_bytes(model, plan, kernels)
     fp8 = fp8_weights(model, plan)
-    for rank, chunks in enumerate(stage_kinds(model, plan)):
+    for rank, chunks in enumerate(stage_blocks(model, plan)):
         state = _state_bytes(params[rank], plan, fp8[rank])
         acts, saved = _stage_activations(model, plan, rank, chunks, kernels)
         out.append(StageMemory(

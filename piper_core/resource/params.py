@@ -11,10 +11,11 @@ the router's included, is held in the params dtype (see :func:`_layer_params`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
-from piper_core.specs.compat import stage_kinds
+from piper_core.specs.compat import mtp_layers, stage_blocks
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 
@@ -118,12 +119,23 @@ def embedding_params(model: ModelSpec, tp: int) -> int:
     return n
 
 
+def mtp_extra_params(model: ModelSpec, tp: int) -> int:
+    """One MTP layer besides its transformer layer, on one tp rank: the embedding and hidden-state
+    norms, the ``2h -> h`` column-parallel projection (no bias) and the final norm
+    (``MultiTokenPredictionLayer``, megatron/core/transformer/multi_token_prediction.py)."""
+    h = model.hidden_size
+    return 3 * _norm(model, h) + _column(model, 2 * h, h, tp, False)
+
+
 def stage_params(model: ModelSpec, plan: ParallelPlan) -> tuple[ParamCount, ...]:
     """Parameters on one GPU of each pipeline rank (all vpp chunks of that rank together).
 
     The first chunk of rank 0 holds the embedding; the last chunk of the last rank the final norm
     and the output layer. With tied embeddings the output layer owns a copy of the embedding
     unless it sits on the same rank (pp == 1) -- GPTModel ``skip_weight_param_allocation``.
+    A rank that runs MTP layers holds their transformer layers (:func:`stage_blocks`), their norms
+    and projections (:func:`mtp_extra_params`) and, when it is not rank 0, an embedding of its own
+    (GPTModel builds one where ``mtp_process``; its gradient is reduced with the first stage's).
     """
     return _stage_params(model, plan.tp, plan.ep, plan.etp_size, plan.pp, plan.vpp,
                          plan.num_layers_in_first_pipeline_stage, plan.num_layers_in_last_pipeline_stage,
@@ -137,6 +149,7 @@ def _stage_params(model: ModelSpec, tp: int, ep: int, etp: int, pp: int, vpp: in
     plan = ParallelPlan(gpus=tp * pp * ep * etp, tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp, global_batch_size=ep * etp,
                         sequence_parallel=tp > 1, num_layers_in_first_pipeline_stage=first,
                         num_layers_in_last_pipeline_stage=last, pipeline_layout=layout)
+    mtp = mtp_layers(model, plan)
     for rank, count in enumerate(_layers_params(model, plan)):
         extra = 0
         if rank == 0:
@@ -145,20 +158,24 @@ def _stage_params(model: ModelSpec, tp: int, ep: int, etp: int, pp: int, vpp: in
             extra += _norm(model, model.hidden_size)
             if not (model.tie_embeddings and plan.pp == 1):
                 extra += model.padded_vocab(plan.tp) // plan.tp * model.hidden_size
+        if mtp[rank]:
+            extra += mtp[rank] * mtp_extra_params(model, plan.tp) + (embedding_params(model, plan.tp) if rank else 0)
         out.append(count + ParamCount(dense=extra))
     return tuple(out)
 
 
 def _layers_params(model: ModelSpec, plan: ParallelPlan) -> list[ParamCount]:
-    """Per pipeline rank: the parameters of its transformer layers (no embedding, final norm or
-    output layer)."""
-    kinds = {moe: _layer_params(model, plan.tp, plan.ep, plan.etp_size, moe) if moe in model.moe_layer_pattern
-             else ParamCount() for moe in (False, True)}
+    """Per pipeline rank: the parameters of its transformer layers, its MTP layers' included (no
+    embedding, final norm or output layer)."""
     out = []
-    for chunks in stage_kinds(model, plan):
+    for chunks in stage_blocks(model, plan):
         moe_layers = sum(sum(chunk) for chunk in chunks)
         dense_layers = sum(len(chunk) for chunk in chunks) - moe_layers
-        out.append(kinds[False].scaled(dense_layers) + kinds[True].scaled(moe_layers))
+        count = ParamCount()
+        for moe, n in ((False, dense_layers), (True, moe_layers)):
+            if n:
+                count += _layer_params(model, plan.tp, plan.ep, plan.etp_size, moe).scaled(n)
+        out.append(count)
     return out
 
 
@@ -172,8 +189,11 @@ def _unsplit(model: ModelSpec, gpus: int = 1) -> ParallelPlan:
     return ParallelPlan(gpus=gpus, global_batch_size=gpus)
 
 
-def total_params(model: ModelSpec) -> int:
-    """All parameters of the model (no parallelism; tied embeddings counted once)."""
+def total_params(model: ModelSpec, *, mtp: bool = True) -> int:
+    """All parameters of the model (no parallelism; tied embeddings counted once). ``mtp=False``
+    leaves out the MTP layers, as model cards count the main model (DeepSeek-V3's 671B)."""
+    if not mtp and model.mtp_num_layers:
+        model = dataclasses.replace(model, mtp_num_layers=0)
     return stage_params(model, _unsplit(model))[0].total
 
 
@@ -189,15 +209,19 @@ def input_embedding_params(model: ModelSpec) -> int:
     return n
 
 
-def active_params(model: ModelSpec, *, input_embedding: bool = True) -> int:
+def active_params(model: ModelSpec, *, input_embedding: bool = True, mtp: bool = True) -> int:
     """Parameters one token touches: all but the unrouted experts (top-k of them are used).
 
     ``input_embedding=False`` leaves out the input-embedding lookups (:func:`input_embedding_params`),
     as some model cards do (a table row read per token is not compute); the output layer stays in.
-    The presets' published active counts include it (tests/unit/test_params_flops.py).
+    The presets' published active counts include it (tests/unit/test_params_flops.py). ``mtp=False``
+    leaves out the MTP layers (:func:`total_params`).
     """
+    if not mtp and model.mtp_num_layers:
+        model = dataclasses.replace(model, mtp_num_layers=0)
     full = _unsplit(model)
     one_expert = mlp_params(model, model.moe_ffn_hidden_size, 1) if model.is_moe else 0
-    unused = (model.num_experts - model.moe_router_topk) * one_expert * model.num_moe_layers
+    moe_layers = model.num_moe_layers + (model.mtp_num_layers if model.mtp_is_moe else 0)
+    unused = (model.num_experts - model.moe_router_topk) * one_expert * moe_layers
     active = total_params(model) - unused if model.is_moe else stage_params(model, full)[0].total
     return active if input_embedding else active - input_embedding_params(model)

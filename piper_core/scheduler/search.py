@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from piper_core.errors import Infeasible, SpecError
 from piper_core.resource import activations
+from piper_core.resource.flops import layer_flops_per_token, logit_flops_per_token, mtp_flops_per_token
 from piper_core.resource.memory import GIB, _state_bytes, fp8_weights, peak_bytes, stage_memory
 from piper_core.resource.params import stage_params
 from piper_core.specs.layout import balanced_layout
@@ -79,6 +80,13 @@ def _rank_key(s: Scored) -> tuple:
     return (round(math.log(s.step_s) * 1e6), s.peak_bytes, simplicity)
 
 
+@functools.cache
+def layout_weights(model: ModelSpec) -> dict[str, float]:
+    """The loss and an MTP layer in mean decoder layers, by model FLOPs per token, for :func:`balanced_layout`."""
+    layer = sum(layer_flops_per_token(model, i) for i in range(model.num_layers)) / model.num_layers
+    return {"loss": logit_flops_per_token(model) / layer, "mtp": mtp_flops_per_token(model) / layer}
+
+
 def _structural(model: ModelSpec, gpus: int, gbs: int, combo: tuple, sequence_parallel: bool = True,
                 shared_overlap: bool = True) -> tuple[dict | None, str | None]:
     """Kwargs for ParallelPlan, or the first Megatron rule the combination breaks."""
@@ -103,7 +111,7 @@ def _structural(model: ModelSpec, gpus: int, gbs: int, combo: tuple, sequence_pa
     last, reason = pipeline_split(model.num_layers, pp, vpp)
     layout = None
     if reason and vpp > 1:  # no even split over pp x vpp: Megatron's layout, embedding and loss a layer each
-        layout = balanced_layout(model.num_layers, pp, vpp)
+        layout = balanced_layout(model.num_layers, pp, vpp, model.mtp_num_layers, **layout_weights(model))
         reason = None if layout is not None else reason
     if reason:
         return None, reason

@@ -135,6 +135,7 @@ def _stage_layers(model: ModelSpec, pp: int, vpp_or_none: int | None, first: int
     vpp = vpp_or_none or 1
     if layout is not None:
         per_stage = _layout_counts(model, layout)
+        _mtp_layers(model, pp, layout)  # raises for MTP layers the layout misplaces
     else:
         plan = _LayoutPlan(pp=pp, vpp=vpp_or_none, num_layers_in_first_pipeline_stage=first,
                            num_layers_in_last_pipeline_stage=last)
@@ -159,10 +160,22 @@ def _layout_counts(model: ModelSpec, layout: str) -> tuple[int, ...]:
     if sum(counts) != model.num_layers:
         raise SpecError("pipeline_layout", layout, f"places {sum(counts)} transformer layers (t), but {model.name} has "
                         f"{model.num_layers}", f"write {model.num_layers} t's over the stages")
-    if "m" in "".join(stages):
-        raise SpecError("pipeline_layout", layout, f"places MTP layers (m), which Piper's model of {model.name} does not "
-                        "have yet (multi-token prediction is not priced)", "drop the m's from the layout")
     return counts
+
+
+def mtp_layers(model: ModelSpec, plan: ParallelPlan) -> tuple[int, ...]:
+    """Per pipeline rank: the MTP layers it runs, all in its last virtual stage -- the last rank's
+    without a layout (Megatron ``get_mtp_num_layers_to_build``), where the layout puts them with one."""
+    return _mtp_layers(model, plan.pp, plan.pipeline_layout)
+
+
+@functools.cache
+def _mtp_layers(model: ModelSpec, pp: int, layout: str | None) -> tuple[int, ...]:
+    if layout is not None:
+        from piper_core.specs.layout import mtp_ranks, parse_layout
+
+        return mtp_ranks(parse_layout(layout), pp, model.mtp_num_layers, text=layout)
+    return (0,) * (pp - 1) + (model.mtp_num_layers,)
 
 
 def stage_kinds(model: ModelSpec, plan: ParallelPlan) -> tuple[tuple[tuple[bool, ...], ...], ...]:
@@ -177,3 +190,20 @@ def _stage_kinds(model: ModelSpec, pp: int, vpp: int | None, first: int | None,
     pattern = model.moe_layer_pattern
     return tuple(tuple(tuple(pattern[i] for i in chunk) for chunk in rank)
                  for rank in _stage_layers(model, pp, vpp, first, last, layout))
+
+
+def stage_blocks(model: ModelSpec, plan: ParallelPlan) -> tuple[tuple[tuple[bool, ...], ...], ...]:
+    """Like :func:`stage_kinds`, with each MTP layer's transformer layer (a MoE layer when the last
+    decoder layer is one, :attr:`ModelSpec.mtp_is_moe`) appended to the last chunk of the rank that
+    runs it: the transformer layers whose parameters and activations a rank holds."""
+    return _stage_blocks(model, plan.pp, plan.vpp, plan.num_layers_in_first_pipeline_stage,
+                         plan.num_layers_in_last_pipeline_stage, plan.pipeline_layout)
+
+
+@functools.cache
+def _stage_blocks(model: ModelSpec, pp: int, vpp: int | None, first: int | None,
+                  last: int | None, layout: str | None = None) -> tuple[tuple[tuple[bool, ...], ...], ...]:
+    kinds = _stage_kinds(model, pp, vpp, first, last, layout)
+    mtp = _mtp_layers(model, pp, layout)
+    return tuple(chunks[:-1] + (chunks[-1] + (model.mtp_is_moe,) * k,) if k else chunks
+                 for chunks, k in zip(kinds, mtp))

@@ -7,12 +7,12 @@ embedding, ``t`` a transformer (decoder) layer, ``m`` a multi-token-prediction l
 are cosmetic: ``"Ett|(tt|)*29,tL"`` is 31 stages. Megatron-Core reads it with
 ``PipelineParallelLayerLayout`` (transformer/pipeline_parallel_layer_layout.py); the rules here are
 its rules, with Piper's messages: the embedding first and once, the loss last and once, as many
-``t`` as the model has layers. A stage may be empty.
+``t`` as the model has layers, and as many ``m`` as it has MTP layers (:func:`mtp_ranks`). A stage
+may be empty.
 
 :func:`balanced_layout` writes the layout Piper's search gives an uneven ``pp x vpp`` split: the
-embedding and the loss each take one layer's slot (Megatron's ``--account-for-embedding-in-pipeline-
-split`` / ``--account-for-loss-in-pipeline-split`` count them so), and the slots are spread over the
-stages as evenly as they go. Pure Python, no Megatron import.
+layers spread so that every pipeline rank carries an equal share of the work, the embedding, the
+loss and the MTP layers weighed in layers. Pure Python, no Megatron import.
 """
 
 from __future__ import annotations
@@ -64,23 +64,85 @@ def decoder_counts(stages: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(s.count("t") for s in stages)
 
 
-def balanced_layout(num_layers: int, pp: int, vpp: int) -> str | None:
-    """A layout of ``num_layers`` layers over ``pp x vpp`` stages with the embedding and the loss each
-    in one layer's slot, the slots spread as evenly as they go (the surplus slots in the middle
-    stages); None when a stage would get no layer slot at all."""
+def mtp_ranks(stages: tuple[str, ...], pp: int, mtp_num_layers: int, *, text: str,
+              key: str = "pipeline_layout") -> tuple[int, ...]:
+    """Per pipeline rank, the MTP layers ``stages`` put on it, after Megatron's rules
+    (``PipelineParallelLayerLayout.validate_layer_layout``): as many ``m`` as the model has MTP layers,
+    none before a transformer layer, all of them in one stage and that stage the last virtual stage
+    of its rank. Megatron also runs them on a rank before the last ("standalone" MTP); Piper does not
+    price that yet and says so."""
+    flat = "".join(stages)
+    count = flat.count("m")
+    if count != mtp_num_layers:
+        raise SpecError(key, text, f"places {count} MTP layers (m), but the model has {mtp_num_layers} "
+                        "(mtp_num_layers; Megatron validate_layer_layout)",
+                        f"write {mtp_num_layers} m's" if mtp_num_layers else "drop the m's, or give the model "
+                        "mtp_num_layers")
+    out = [0] * pp
+    if not count:
+        return tuple(out)
+    if "t" in flat[flat.index("m"):]:
+        raise SpecError(key, text, "has a transformer layer (t) after an MTP layer (m); Megatron places the MTP "
+                        "layers after every decoder layer", "move the m's after the last t")
+    vpp = len(stages) // pp
+    holders = [i for i, s in enumerate(stages) if "m" in s]
+    stage = holders[0]
+    rank, chunk = stage % pp, stage // pp
+    if len(holders) > 1 or chunk != vpp - 1:
+        raise SpecError(key, text, "must hold all MTP layers (m) in one stage, the last virtual stage of its pipeline "
+                        "rank (Megatron validate_layer_layout)", "put every m in the last stage, before the L")
+    if rank != pp - 1:
+        raise SpecError(key, text, f"runs the MTP layers on pipeline rank {rank}, before the last ({pp - 1}): "
+                        "Megatron's standalone MTP, which Piper does not price yet",
+                        "put the m's in the last stage, before the L")
+    out[rank] = count
+    return tuple(out)
+
+
+def balanced_layout(num_layers: int, pp: int, vpp: int, mtp_num_layers: int = 0, *, loss: float = 1.0,
+                    mtp: float = 1.0) -> str | None:
+    """A layout of ``num_layers`` layers over ``pp x vpp`` stages that balances the pipeline ranks.
+
+    Weights are in layers: the embedding one, as Megatron's ``--account-for-embedding-in-pipeline-split``
+    counts it; the loss ``loss`` (its work over a mean layer's; the search passes FLOPs), but at least
+    one, as ``--account-for-loss-in-pipeline-split`` counts it; each MTP layer ``mtp``. Each rank gets
+    whole layers so that they and its fixed work (the embedding on rank 0, the MTP layers and the
+    loss on the last rank) come as close to an equal share as they go: largest remainder, ties first
+    to the ranks whose fixed work costs less time than it weighs (the embedding, a lookup, weighs a
+    layer; a loss lighter than a layer weighs one), then to the lower ranks. Within a rank the layers
+    go one at a time to its lightest virtual stage.
+    For DeepSeek-V3 at pp 8 x vpp 4 with FLOP weights this is Megatron-Bridge's own layout.
+    None when a stage other than the first and the last would hold no layer."""
     stages = pp * vpp
-    slots = num_layers + 2
-    base, extra = divmod(slots, stages)
-    if base == 0:
+    fixed = [0.0] * pp
+    slack = [0.0] * pp  # weight of the rank's fixed work above its time
+    fixed[0] += 1.0
+    slack[0] += 1.0
+    fixed[-1] += max(1.0, loss) + mtp_num_layers * mtp
+    slack[-1] += max(1.0, loss) - loss
+    share = (num_layers + sum(fixed)) / pp
+    want = [max(0.0, share - f) for f in fixed]
+    scale = num_layers / sum(want)
+    want = [w * scale for w in want]
+    counts = [int(w) for w in want]
+    by_remainder = sorted(range(pp), key=lambda r: (-round(want[r] - counts[r], 9), -slack[r], r))
+    for r in by_remainder[:num_layers - sum(counts)]:
+        counts[r] += 1
+    out = [""] * stages
+    for rank, count in enumerate(counts):
+        load = [0.0] * vpp
+        load[0] += 1.0 if rank == 0 else 0.0
+        load[-1] += fixed[-1] if rank == pp - 1 else 0.0
+        layers = [0] * vpp
+        for _ in range(count):
+            chunk = min(range(vpp), key=lambda v: (load[v] + layers[v], v))
+            layers[chunk] += 1
+        for v in range(vpp):
+            out[v * pp + rank] = "t" * layers[v]
+    if any(not s for s in out[1:-1]):
         return None
-    start = (stages - extra) // 2
-    sizes = [base + (start <= i < start + extra) for i in range(stages)]
-    out = []
-    for i, size in enumerate(sizes):
-        layers = size - (i == 0) - (i == stages - 1)
-        out.append(("E" if i == 0 else "") + "t" * layers + ("L" if i == stages - 1 else ""))
-    if any(s.count("t") == 0 for s in out[1:-1]):
-        return None
+    out[0] = "E" + out[0]
+    out[-1] += "m" * mtp_num_layers + "L"
     return layout_string(tuple(out))
 
 

@@ -47,6 +47,10 @@ class ModelSpec:
     ``--moe-router-num-groups`` / ``--moe-router-group-topk``, TransformerConfig): experts fall into
     equal groups and each token picks its experts from ``group_topk`` of them; with one group per node
     of the expert-parallel group this is DeepSeek-V3's node-limited routing (at most 4 nodes a token).
+    ``mtp_num_layers``: multi-token-prediction layers after the decoder (Megatron's
+    ``--mtp-num-layers``; 0 for none). Each is built from the last decoder layer's spec (MoE when
+    that layer is, ``gpt_builders.py``) with two input norms, a ``2h -> h`` projection and a final norm
+    (``MultiTokenPredictionLayer``), and runs the output layer and a loss of its own.
     """
 
     name: str
@@ -66,6 +70,7 @@ class ModelSpec:
     moe_expert_load_skew: float = 1.0
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
+    mtp_num_layers: int = 0
     vocab_size: int
     make_vocab_size_divisible_by: int = 128
     seq_length: int
@@ -94,7 +99,7 @@ class ModelSpec:
             positive(key, getattr(self, key))
         positive("num_query_groups", self.num_query_groups, allow_none=True)
         positive("kv_channels", self.kv_channels, allow_none=True)
-        for key in ("num_experts", "moe_shared_expert_intermediate_size", "moe_first_k_dense"):
+        for key in ("num_experts", "moe_shared_expert_intermediate_size", "moe_first_k_dense", "mtp_num_layers"):
             non_negative(key, getattr(self, key))
         if self.kv_channels is None and self.mla is None and self.hidden_size % self.num_attention_heads:
             raise SpecError("kv_channels", None, f"hidden_size ({self.hidden_size}) is not divisible by "
@@ -180,7 +185,14 @@ class ModelSpec:
 
     @property
     def num_moe_layers(self) -> int:
+        """MoE layers of the decoder (MTP layers not counted: :attr:`mtp_is_moe`)."""
         return sum(self.moe_layer_pattern)
+
+    @property
+    def mtp_is_moe(self) -> bool:
+        """Whether the MTP layers' transformer layer is a MoE layer: Megatron builds it from the last
+        decoder layer's spec (``gpt_builders.py``: ``decoder_layer_specs[-1]``)."""
+        return self.moe_layer_pattern[-1]
 
     def padded_vocab(self, tp: int) -> int:
         """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp``.

@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from piper_core.resource.flops import step_flops
 from piper_core.resource.params import stage_params
 from piper_core.specs.cluster import ClusterSpec
-from piper_core.specs.compat import stage_kinds
+from piper_core.specs.compat import mtp_layers, stage_kinds
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.timing import comm
-from piper_core.timing.compute import element_bytes, gemm_time, stream_time
-from piper_core.timing.compute import LayerShape
+from piper_core.timing.compute import LayerShape, element_bytes, gemm_time, linear_time, stream_time
 from piper_core.timing.layer import LayerCost, layer_cost, shape_of
 from piper_core.timing.schedule import closed_form, one_f_one_b_order, pass_parts, pipeline_time
 from piper_core.timing.topology import Group, dense_groups, expert_groups, slowest_link
@@ -86,12 +85,30 @@ def _logits(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> float
     return 3 * gemm + stream_time(acc, 3 * 4 * t * vocab)
 
 
+def _end_stage(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> float:
+    """The last rank's work per micro-batch besides its transformer layers: the output layer and loss
+    (:func:`_logits`), and per MTP layer its own output layer and loss, its ``2h -> h`` projection
+    (fwd + 2x bwd, in FP8 where the plan is: Megatron runs it in the FP8 context) and, under full
+    recompute, the projection's forward again (``MultiTokenPredictionLayer`` checkpoints it with its
+    transformer layer, whose repeat the layer's cost holds)."""
+    logits = _logits(model, plan, cluster)
+    k = model.mtp_num_layers
+    if not k:
+        return logits
+    t = model.seq_length // plan.cp * plan.micro_batch_size
+    h = model.hidden_size
+    proj = linear_time(cluster.accelerator, shape_of(plan), t, h / plan.tp, 2 * h)
+    return (1 + k) * logits + k * proj * (4 if plan.recompute == "full" else 3)
+
+
 Kinds = tuple[tuple[tuple[bool, bool], int], ...]  # ((moe, recomputed), layer count) in layer order
 
 
 def _stage_layer_kinds(model: ModelSpec, plan: ParallelPlan) -> tuple[Kinds, ...]:
     """Per pipeline rank: (moe, recomputed) -> layer count, in the order the layers first appear
-    (full recompute with the "block" method repeats only the first n layers of each chunk)."""
+    (full recompute with the "block" method repeats only the first n layers of each chunk), the
+    MTP layers' transformer layers last (full recompute repeats them whatever the method:
+    ``MultiTokenPredictionLayer.forward``)."""
     block = plan.recompute_num_layers if plan.recompute_method == "block" else None
     full = plan.recompute == "full"
     key = (model, plan.pp, plan.vpp, plan.num_layers_in_first_pipeline_stage, plan.num_layers_in_last_pipeline_stage,
@@ -101,9 +118,10 @@ def _stage_layer_kinds(model: ModelSpec, plan: ParallelPlan) -> tuple[Kinds, ...
         if len(_KINDS) > 4096:
             _KINDS.clear()
         kinds = _KINDS[key] = tuple(
-            tuple(Counter((moe, full and (block is None or j < block))
-                          for chunk in chunks for j, moe in enumerate(chunk)).items())
-            for chunks in stage_kinds(model, plan))
+            tuple((Counter((moe, full and (block is None or j < block))
+                           for chunk in chunks for j, moe in enumerate(chunk))
+                   + Counter({(model.mtp_is_moe, full): mtp})).items())
+            for chunks, mtp in zip(stage_kinds(model, plan), mtp_layers(model, plan)))
     return kinds
 
 
@@ -167,7 +185,7 @@ def _stage_times(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
     for rank, kinds in enumerate(stage_kinds_):
         compute, a2a, other = _sums(kinds, costs)
         if rank == plan.pp - 1:
-            compute += _logits(model, plan, cluster)
+            compute += _end_stage(model, plan, cluster)
         compute += overhead
         p2p = p2p_exposed(message, plan, rank, compute, a2a + other)
         out.append(StageTime(stage=rank, compute=compute, a2a=a2a, comm=other, p2p=p2p))
@@ -350,7 +368,8 @@ class ExchangeVariants:
         sizes = (model, cluster, tp, cp, dp, base.pp, base.vpp, base.num_layers_in_first_pipeline_stage,
                  base.num_layers_in_last_pipeline_stage, base.pipeline_layout, base.ep, base.etp_size)
         self.p2p = _memo(cache, ("p2p", sizes, mbs, base.sequence_parallel), _p2p_message, model, base, cluster)
-        self.logits = _memo(cache, ("logits", model, cluster, tp, cp, mbs, base.precision), _logits, model, base, cluster)
+        self.logits = _memo(cache, ("logits", model, cluster, tp, cp, mbs, base.precision, base.fp8, base.recompute),
+                            _end_stage, model, base, cluster)
         self.overhead = cluster.accelerator.microbatch_overhead_us * 1e-6 / base.pp
         self.opt = _memo(cache, ("optimizer", sizes, base.distributed_optimizer, base.optimizer_offload_fraction),
                          _optimizer, model, base, cluster)

@@ -137,8 +137,9 @@ def test_exported_fp8_flags_are_megatron_cores_own():
                                                ("switch-1t", 1024, 2048)])
 def test_searched_layouts_are_megatron_cores(preset: str, gpus: int, gbs: int) -> None:
     """Every pipeline layout the search emits for these jobs is one Megatron-Core's own parser
-    (``PipelineParallelLayerLayout``) accepts for the model, and puts the same number of layers in
-    every (pipeline rank, virtual stage) as Piper prices; the exported flag builds a TransformerConfig."""
+    (``PipelineParallelLayerLayout``) accepts for the model (DeepSeek-V3's MTP layer included), and
+    puts the same number of layers and MTP layers in every (pipeline rank, virtual stage) as Piper
+    prices; the exported flag builds a TransformerConfig."""
     import torch
     from megatron.core.transformer.enums import LayerType
     from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
@@ -147,7 +148,7 @@ def test_searched_layouts_are_megatron_cores(preset: str, gpus: int, gbs: int) -
     from piper_core.export import parallel_flags
     from piper_core.presets import load_cluster
     from piper_core.scheduler.search import search
-    from piper_core.specs.compat import stage_layers
+    from piper_core.specs.compat import mtp_layers, stage_layers
 
     model = load_model(preset)
     plans = {s.plan.pipeline_layout: s.plan for s in search(model, load_cluster("dgx-h100"), gpus, gbs).scored
@@ -155,15 +156,16 @@ def test_searched_layouts_are_megatron_cores(preset: str, gpus: int, gbs: int) -
     assert plans, f"the search emitted no layout for {preset}"
     for text, plan in plans.items():
         layout = PipelineParallelLayerLayout(text, plan.pp)
-        layout.validate_layer_layout(model.num_layers, None)
+        assert layout.validate_layer_layout(model.num_layers, model.mtp_num_layers or None) is False  # not standalone
         assert layout.virtual_pipeline_model_parallel_size == plan.vpp
         ours = stage_layers(model, plan)
         assert [[layout.layout[p][v].count(LayerType.decoder) for v in range(plan.vpp)] for p in range(plan.pp)] == \
             [[len(chunk) for chunk in rank] for rank in ours], text
+        assert [layout.layout[p][-1].count(LayerType.mtp) for p in range(plan.pp)] == list(mtp_layers(model, plan))
     plan = next(iter(plans.values()))
     flags = dict(parallel_flags(model, plan))
     config = TransformerConfig(num_layers=model.num_layers, hidden_size=64, num_attention_heads=4,
-                               pipeline_model_parallel_size=plan.pp, virtual_pipeline_model_parallel_size=plan.vpp,
+                               mtp_num_layers=model.mtp_num_layers or None, pipeline_model_parallel_size=plan.pp, virtual_pipeline_model_parallel_size=plan.vpp,
                                pipeline_model_parallel_layout=flags["--pipeline-model-parallel-layout"],
                                pipeline_dtype=torch.bfloat16, bf16=True, params_dtype=torch.bfloat16,
                                use_cpu_initialization=True)

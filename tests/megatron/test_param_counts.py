@@ -52,16 +52,18 @@ class Setting:
     vpp: int | None = None
     first_stage_layers: int | None = None
     depth: str = "reduced"
+    layout: str | None = None
 
     def plan(self, world: int) -> ParallelPlan:
         return ParallelPlan(gpus=world, tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, vpp=self.vpp,
                             sequence_parallel=self.tp > 1, global_batch_size=world,
-                            num_layers_in_first_pipeline_stage=self.first_stage_layers)
+                            num_layers_in_first_pipeline_stage=self.first_stage_layers, pipeline_layout=self.layout)
 
     @property
     def label(self) -> str:
         extra = (f"-vpp{self.vpp}" if self.vpp else "") + (
-            f"-first{self.first_stage_layers}" if self.first_stage_layers else "")
+            f"-first{self.first_stage_layers}" if self.first_stage_layers else "") + (
+            f"-layout{self.layout}" if self.layout else "")
         return f"tp{self.tp}pp{self.pp}ep{self.ep}etp{self.etp}{extra}-{self.depth}"
 
 
@@ -70,7 +72,9 @@ SETTINGS: dict[int, tuple[Setting, ...]] = {
         Setting(1, 2, 1, 1), Setting(1, 2, 1, 1, first_stage_layers=1)),
     4: (Setting(1, 2, 2, 1), Setting(2, 2, 1, 2), Setting(1, 1, 4, 1), Setting(2, 1, 2, 2),
         Setting(4, 1, 4, 1), Setting(1, 2, 2, 1, vpp=2), Setting(2, 2, 2, 1, vpp=2),
-        Setting(1, 1, 4, 1, depth=FULL_DEPTH)),
+        Setting(1, 1, 4, 1, depth=FULL_DEPTH),
+        # a layout with one MTP layer (m) in the last stage, for the models with one
+        Setting(1, 2, 2, 1, vpp=2, layout="Et|t|t|tmL"), Setting(2, 2, 1, 2, vpp=2, layout="Ett||t|tmL")),
 }
 
 
@@ -90,6 +94,11 @@ def _variants() -> dict[str, ModelSpec]:
             mla=MLASpec(q_lora_rank=None, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)),
         "tiny-dense": dataclasses.replace(tiny, name="tiny-dense", num_experts=0, moe_ffn_hidden_size=None,
                                           moe_router_topk=1),
+        # multi-token prediction: two MoE MTP layers; one dense MTP layer (the last decoder layer is
+        # dense) with tied embeddings, whose last stage then holds the embedding and the output layer
+        "tiny-moe-mtp": dataclasses.replace(tiny, name="tiny-moe-mtp", mtp_num_layers=2),
+        "tiny-mtp-tied": dataclasses.replace(tiny, name="tiny-mtp-tied", mtp_num_layers=1, moe_layer_freq=2,
+                                             tie_embeddings=True),
     }
 
 

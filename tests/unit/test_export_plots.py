@@ -36,7 +36,7 @@ MEGATRON_FLAGS = frozenset("""
 --multi-latent-attention --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim
 --kv-channels --group-query-attention --num-query-groups --num-experts --moe-ffn-hidden-size --moe-router-topk
 --moe-layer-freq --moe-token-dispatcher-type --moe-shared-expert-intermediate-size --moe-expert-capacity-factor
---moe-router-num-groups --moe-router-group-topk --moe-flex-dispatcher-backend
+--moe-router-num-groups --moe-router-group-topk --moe-flex-dispatcher-backend --mtp-num-layers
 --tensor-model-parallel-size --pipeline-model-parallel-size --context-parallel-size --expert-model-parallel-size
 --expert-tensor-parallel-size --decoder-first-pipeline-num-layers --decoder-last-pipeline-num-layers
 --num-layers-per-virtual-pipeline-stage --num-virtual-stages-per-pipeline-rank --sequence-parallel
@@ -123,6 +123,7 @@ def test_megatron_uneven_split_and_layer_pattern(tmp_path):
     # Megatron evaluates the list expression (moe_freq_type); 1 marks a MoE layer.
     assert [bool(x) for x in eval(f["--moe-layer-freq"])] == list(DEEPSEEK.moe_layer_pattern)
     assert f["--moe-layer-freq"] == "([0]*3+[1]*58)"
+    assert f["--mtp-num-layers"] == "1"  # DeepSeek-V3 trains one MTP layer
     assert {"--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-pos-emb-head-dim"} <= set(f)
     assert "--group-query-attention" not in f  # exclusive with MLA in validate_args
     assert env == ""  # tp = cp = 1

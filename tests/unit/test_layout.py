@@ -8,6 +8,8 @@ own parser is tests/megatron/test_export_flags.py::test_searched_layouts_are_meg
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from piper_core.cli.parse import parse_parallel
@@ -15,34 +17,56 @@ from piper_core.errors import SpecError
 from piper_core.export import deepspeed_compatible, parallel_flags, plan_label
 from piper_core.presets import load_cluster, load_model
 from piper_core.resource.predict import predict
-from piper_core.scheduler.search import search
+from piper_core.scheduler.search import layout_weights, search
 from piper_core.specs.compat import stage_layers
 from piper_core.specs.layout import balanced_layout, decoder_counts, layout_string, parse_layout
 from piper_core.specs.parallel import ParallelPlan
 
-DSV3 = load_model("deepseek-v3")
+DSV3 = load_model("deepseek-v3")  # with its one MTP layer
 H100 = load_cluster("dgx-h100")
-# Megatron-Bridge's DeepSeek-V3 layout at pp 8 x vpp 4 with its MTP layer's slot ("m") left out
-BRIDGE = "Et*2|(tt|)*22t|(tt|)*7L"
+# Megatron-Bridge's DeepSeek-V3 layout at pp 8 x vpp 4, its MTP layer ("m") in the last stage
+BRIDGE = "Et*2|(tt|)*22t|(tt|)*7mL"
 
 
 def test_megatrons_syntax_unrolls_as_megatron_does():
     stages = parse_layout(BRIDGE)
-    assert len(stages) == 32 and stages[0] == "Ett" and stages[23] == "t" and stages[-1] == "L"
+    assert len(stages) == 32 and stages[0] == "Ett" and stages[23] == "t" and stages[-1] == "mL"
     assert sum(decoder_counts(stages)) == 61
     assert parse_layout("E|(t|)*3,m|m||L") == ("E", "t", "t", "t", "m", "m", "", "L")  # arguments.py's own example
     assert parse_layout("Ett|(tt|)*29,tL") == parse_layout("Ett|" + "tt|" * 29 + "tL")
 
 
-@pytest.mark.parametrize("layers, pp, vpp", [(61, 8, 4), (61, 16, 2), (94, 8, 4), (24, 4, 4), (61, 4, 2)])
-def test_balanced_layouts_hold_every_layer_and_read_back(layers, pp, vpp):
-    text = balanced_layout(layers, pp, vpp)
+@pytest.mark.parametrize("layers, pp, vpp, mtp", [(61, 8, 4, 0), (61, 16, 2, 0), (94, 8, 4, 0), (24, 4, 4, 0),
+                                                   (61, 4, 2, 0), (61, 8, 4, 1), (61, 16, 2, 1), (30, 4, 2, 2)])
+def test_balanced_layouts_hold_every_layer_and_read_back(layers, pp, vpp, mtp):
+    text = balanced_layout(layers, pp, vpp, mtp)
     stages = parse_layout(text)
-    assert len(stages) == pp * vpp and stages[0].startswith("E") and stages[-1].endswith("L")
-    assert sum(decoder_counts(stages)) == layers
-    slots = [len(s) for s in stages]  # E and L take a layer's slot each
-    assert max(slots) - min(slots) <= 1
+    assert len(stages) == pp * vpp and stages[0].startswith("E") and stages[-1].endswith("m" * mtp + "L")
+    assert sum(decoder_counts(stages)) == layers and "".join(stages).count("m") == mtp
+    # E, L and each m weigh a layer here: every rank's share within one layer of every other's
+    ranks = [sum(len(stages[v * pp + p]) for v in range(vpp)) for p in range(pp)]
+    assert max(ranks) - min(ranks) <= 1
+    for p in range(pp):  # and inside a rank, its stages within one layer of each other
+        chunk = [len(stages[v * pp + p]) for v in range(vpp)]
+        assert max(chunk) - min(chunk) <= 1 + (mtp + 1 if p == pp - 1 else 0)
     assert parse_layout(layout_string(stages)) == stages
+
+
+def test_flop_weighted_layout_is_megatron_bridges_for_deepseek_v3():
+    """Weighing the loss and the MTP layer by their FLOPs (the search's weights), the layout of
+    DeepSeek-V3 at pp 8 x vpp 4 is the one Megatron-Bridge trains it with; it is also faster than
+    counting each as one layer, which overloads the last rank."""
+    from piper_core.scheduler.search import layout_weights
+
+    weights = layout_weights(DSV3)
+    assert 1.2 < weights["loss"] < 1.6 and 2.2 < weights["mtp"] < 2.8  # logits; one MoE layer and its logits
+    weighted = balanced_layout(61, 8, 4, 1, **weights)
+    assert parse_layout(weighted) == parse_layout(BRIDGE)
+    sizes = "tp=1,pp=8,vpp=4,cp=4,ep=64,mbs=1,gbs=8192,dist_opt=1,a2a=dedup,epov=1"
+    fast = predict(DSV3, H100, parse_parallel(f"{sizes},layout={weighted}", 1024))
+    plain = predict(DSV3, H100, parse_parallel(f"{sizes},layout={balanced_layout(61, 8, 4, 1)}", 1024))
+    assert fast.time.step < 0.95 * plain.time.step
+    assert max(s.total for s in fast.time.stages) < max(s.total for s in plain.time.stages)
 
 
 def test_the_plan_takes_a_layout_and_its_vpp():
@@ -75,21 +99,22 @@ def test_bad_layouts_are_refused(layout, message):
         ParallelPlan(gpus=1024, pp=8, vpp=4, global_batch_size=8192, pipeline_layout=layout)
 
 
-def test_the_model_checks_the_layers_and_refuses_mtp_for_now():
+def test_the_model_checks_the_layers():
     with pytest.raises(SpecError, match=r"places 60 transformer layers \(t\), but deepseek-v3 has 61"):
         predict(DSV3, H100, ParallelPlan(gpus=1024, pp=8, vpp=4, ep=64, global_batch_size=8192,
-                                         pipeline_layout="Et|(tt|)*22t|(tt|)*7L"))
-    with pytest.raises(SpecError, match=r"places MTP layers \(m\).*drop the m's"):
-        predict(DSV3, H100, ParallelPlan(gpus=1024, pp=8, vpp=4, ep=64, global_batch_size=8192,
-                                         pipeline_layout="Et*2|(tt|)*22t|(tt|)*7mL"))
+                                         pipeline_layout="Et|(tt|)*22t|(tt|)*7mL"))
 
 
 def test_stages_are_priced_as_the_layout_puts_them():
     plan = parse_parallel(f"tp=1,pp=8,vpp=4,ep=64,mbs=1,gbs=8192,layout={BRIDGE}", 1024)
     p = predict(DSV3, H100, plan)
-    assert [s.layers for s in p.stages] == [8, 8, 8, 8, 8, 8, 8, 5]  # the last rank: t, tt, tt, and L alone
+    # the last rank: t, tt, tt, and the MTP layer's transformer layer with the loss
+    assert [s.layers for s in p.stages] == [8, 8, 8, 8, 8, 8, 8, 6]
     assert p.stages[-1].params.total < p.stages[1].params.total + p.stages[0].params.total
-    assert p.time.stages[-1].compute < p.time.stages[1].compute
+    # without the MTP layer the last rank, three layers and the loss, is the fastest
+    plain = dataclasses.replace(DSV3, mtp_num_layers=0)
+    q = predict(plain, H100, dataclasses.replace(plan, pipeline_layout=BRIDGE.replace("mL", "L")))
+    assert q.time.stages[-1].compute < q.time.stages[1].compute
 
 
 def test_exports_write_the_layout_not_vpp_flags():
@@ -108,7 +133,9 @@ def test_deepseek_v3_plans_with_vpp_exist_now():
     assert layouts and all(p.vpp and p.vpp > 1 for p in layouts)
     assert any(s.plan.pipeline_layout for s in result.best(10))
     for plan in {p.pipeline_layout: p for p in layouts}.values():
-        assert parse_layout(plan.pipeline_layout) == parse_layout(balanced_layout(61, plan.pp, plan.vpp))
+        want = balanced_layout(61, plan.pp, plan.vpp, 1, **layout_weights(DSV3))
+        assert parse_layout(plan.pipeline_layout) == parse_layout(want)
+        assert parse_layout(plan.pipeline_layout)[-1].endswith("mL")
 
 
 @pytest.mark.parametrize("argv", [["--pipeline-model-parallel-layout", BRIDGE], [f"--pipeline-model-parallel-layout={BRIDGE}"]])

@@ -35,7 +35,7 @@ PIPER_MEGATRON_ARGS=(
   --context-parallel-size 1
   --expert-model-parallel-size 128
   --expert-tensor-parallel-size 2
-  --pipeline-model-parallel-layout 'E|(t|)*2(tt|)*10(t|)*2L'
+  --pipeline-model-parallel-layout 'Et|(tt|)*8(t|)*2tt|(t|)*3L'
   --sequence-parallel
   --micro-batch-size 2
   --global-batch-size 2048
