@@ -4,9 +4,10 @@ router's column) to its physical slot (issue 17, deliverable 2).
 On 2 and 4 gloo processes (ep 2 and ep 4; tests/megatron/placement_ranks.py, one spawn each): a real
 ``MoELayer`` (``SequentialMLP``, fp32, 8 experts) with Megatron's dispatcher and the default placement
 is the reference; the same layer with Piper's dispatcher and a placement that moves every expert
-off its slot (and half of them off their rank), each slot loaded with its logical expert's weights,
-must give the same output, input gradient, router gradient and per-logical-expert weight gradients
-within 1e-6 (absolute, or relative to the largest reference value where that exceeds 1), top-1 and top-2, dropless, with token dropping and padded to capacity, flat and
+off its slot (half of them off their rank at ep 2, all at ep 4), each slot loaded with its logical
+expert's weights, must give the same output, input gradient, router gradient and per-logical-expert
+weight gradients within 1e-6 (absolute, or relative to the largest reference value where that
+exceeds 1), top-1 and top-2, dropless, with token dropping and padded to capacity, flat and
 hierarchical, unpipelined, in 2 chunks and with deferred weight gradients. Each slot must receive
 the tokens the router sent its logical expert. The control (placement applied, weights left in the
 default slots) must differ, so a broken mapping cannot pass. A placement for another ep or expert
