@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ class ExpertPlacement:
     num_experts: int
     ep: int
     ranks: tuple[tuple[int, ...], ...]
-    where: str | None = None
+    where: str | None = field(default=None, compare=False)  # the source, for messages only
 
     def __post_init__(self) -> None:
         where = self.where

@@ -162,6 +162,43 @@ def _refused(world: int, comm: Any) -> dict[str, str]:
     return messages
 
 
+def _hook_case(rank: int, world: int) -> dict[str, Any]:
+    """The run-time path of ``--piper-placement``: the placement in the ``DispatchRequest`` that
+    ``Installation.prepare`` makes, installed by the hooked ``initialize_model_parallel``; the layer
+    built under it, given the stock layer's router and its logical experts' weights, against the
+    stock layer built after ``restore()``."""
+    import io
+
+    from megatron.core import parallel_state, tensor_parallel
+
+    from piper_core.runtime.placement import ExpertPlacement
+    from piper_megatron.install import DispatchRequest, Installation
+    from piper_megatron.versions import installed_release
+
+    placement = ExpertPlacement(num_experts=EXPERTS, ep=world, ranks=PLACEMENTS[world])
+    installation = Installation(installed_release(), [], io.StringIO())
+    installation.hook_model_parallel(DispatchRequest(a2a="flat", chunks=1, ranks_per_node=1, timeout_minutes=1,
+                                                     placement=placement))
+    try:
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=world, expert_tensor_parallel_size=1)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        config, submodules = _moe_config(world, world, 2, "dropless")
+        placed = _layer(config, submodules)
+        installation.restore()
+        stock_layer = _layer(config, submodules)
+        _init_experts(stock_layer, rank)
+        placed.load_state_dict(stock_layer.state_dict())
+        _place(placed, _expert_states(stock_layer, world), placement.logical_at, rank)
+        stock, got = _forward_backward(stock_layer, rank), _forward_backward(placed, rank)
+        settings = type(placed.token_dispatcher).binding.settings
+    finally:
+        installation.restore()
+        parallel_state.destroy_model_parallel()
+    return {"dispatcher": type(placed.token_dispatcher).__name__, "placement": settings.placement == placement,
+            "stock": type(stock_layer.token_dispatcher).__name__, "output": _error(stock["y"], got["y"]),
+            "input_grad": _error(stock["x_grad"], got["x_grad"])}
+
+
 def run_rank(rank: int, world: int) -> dict[str, Any]:
     import warnings
 
@@ -180,4 +217,5 @@ def run_rank(rank: int, world: int) -> dict[str, Any]:
         refused = _refused(world, comm)
     finally:
         parallel_state.destroy_model_parallel()
-    return {"cases": results, "refused": refused, "piper_core": piper_core.__file__}
+    hook = _hook_case(rank, world)
+    return {"cases": results, "refused": refused, "hook": hook, "piper_core": piper_core.__file__}

@@ -64,6 +64,17 @@ def test_a_placement_for_another_job_is_refused_when_the_layer_is_built(world):
         assert "places 16 experts, the model has 8" in refused["experts"], refused
 
 
+@pytest.mark.parametrize("world", (2, 4))
+def test_the_placement_reaches_the_dispatcher_through_the_model_parallel_hook(world):
+    """What ``--piper-placement`` runs: the request's placement, installed by the hooked
+    ``initialize_model_parallel``, gives the stock layer's output once the slots hold their experts."""
+    for rank, results in enumerate(_ranks(world)):
+        hook = results["hook"]
+        assert (hook["dispatcher"], hook["placement"], hook["stock"]) == \
+            ("PiperTokenDispatcher", True, "MoEAlltoAllTokenDispatcher"), f"rank {rank}: {hook}"
+        assert hook["output"] <= TOL and hook["input_grad"] <= TOL, f"rank {rank}: {hook}"
+
+
 # ---- --piper-placement (planning; no ranks) ------------------------------------------------------
 
 ARGV = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "2", "--ffn-hidden-size", "128",
