@@ -34,6 +34,7 @@ from torch import nn
 
 from piper_core.errors import SpecError
 from piper_core.export import deepspeed_compatible
+from piper_core.runtime.placement import ExpertPlacement
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 
@@ -107,7 +108,8 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer; ``forward(x) -> (x, l_aux)`` (l_aux 0 for a dense FFN)."""
 
-    def __init__(self, spec: ModelSpec, index: int, ep_size: int, *, seed: int, min_capacity: int):
+    def __init__(self, spec: ModelSpec, index: int, ep_size: int, *, seed: int, min_capacity: int,
+                 placement: ExpertPlacement | None = None):
         super().__init__()
         self.norm1, self.attn, self.norm2 = _norm(spec), Attention(spec), _norm(spec)
         self.drop = nn.Dropout(spec.hidden_dropout)
@@ -116,7 +118,7 @@ class DecoderLayer(nn.Module):
         self.mlp: MLP | None = None
         if spec.moe_layer_pattern[index]:
             self.moe = moe_layer(spec, ep_size, min_capacity=min_capacity)
-            init_experts(self.moe, seed=seed, layer=index)
+            init_experts(self.moe, seed=seed, layer=index, placement=placement)
             if spec.moe_shared_expert_intermediate_size:
                 self.shared = MLP(spec.hidden_size, spec.moe_shared_expert_intermediate_size,
                                   gated=spec.gated_linear_unit, bias=False)
@@ -145,14 +147,20 @@ def moe_layer(spec: ModelSpec, ep_size: int, *, min_capacity: int = 4) -> MoE:
                drop_tokens=cf is not None)
 
 
-def init_experts(moe: MoE, *, seed: int, layer: int) -> None:
+def init_experts(moe: MoE, *, seed: int, layer: int, placement: ExpertPlacement | None = None) -> None:
     """Re-initialise each local expert's Linear layers as ``nn.Linear`` does (U(+-1/sqrt(fan_in))),
-    drawn from a generator seeded by (seed, layer, global expert index)."""
+    drawn from a generator seeded by (seed, layer, logical expert index): the logical expert of each
+    physical slot in ``placement`` (None: the default, slot ``s`` holds logical expert ``s``), so a
+    model built with a placement holds the default model's experts, moved (docs/placement.md)."""
     ep_rank = dist.get_rank() % moe.ep_size if dist.is_initialized() else 0
     local = moe.deepspeed_moe.experts.deepspeed_experts
+    logical_at = tuple(range(moe.num_experts)) if placement is None else placement.logical_at
+    if placement is not None:
+        placement.check(num_experts=moe.num_experts, ep=moe.ep_size, key="placement")
     with torch.no_grad():
         for e, expert in enumerate(local):
-            g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 10_007 + ep_rank * len(local) + e)
+            logical = logical_at[ep_rank * len(local) + e]
+            g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 10_007 + logical)
             for m in expert.modules():
                 if isinstance(m, nn.Linear):
                     bound = 1.0 / math.sqrt(m.in_features)
@@ -164,10 +172,12 @@ def init_experts(moe: MoE, *, seed: int, layer: int) -> None:
 class SwitchDecoder(nn.Module):
     """The whole model on one pipeline stage; ``forward(tokens) -> (logits, aux)``."""
 
-    def __init__(self, spec: ModelSpec, ep_size: int, *, seed: int = 1234, min_capacity: int = 4):
+    def __init__(self, spec: ModelSpec, ep_size: int, *, seed: int = 1234, min_capacity: int = 4,
+                 placement: ExpertPlacement | None = None):
         super().__init__()
         self.embed = Embedding(spec)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, ep_size, seed=seed, min_capacity=min_capacity)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, ep_size, seed=seed, min_capacity=min_capacity,
+                                                 placement=placement)
                                     for i in range(spec.num_layers))
         self.head = Head(spec, tied=self.embed.tokens if spec.tie_embeddings else None)
 
@@ -243,8 +253,9 @@ class EmbeddingPipe(Embedding):
 class DecoderPipe(DecoderLayer):
     """A decoder layer as a pipeline element: packed (x, aux) -> packed (x', aux + l_aux)."""
 
-    def __init__(self, spec: ModelSpec, index: int, ep_size: int, *, seed: int, min_capacity: int):
-        super().__init__(spec, index, ep_size, seed=seed, min_capacity=min_capacity)
+    def __init__(self, spec: ModelSpec, index: int, ep_size: int, *, seed: int, min_capacity: int,
+                 placement: ExpertPlacement | None = None):
+        super().__init__(spec, index, ep_size, seed=seed, min_capacity=min_capacity, placement=placement)
         self.spec = spec
 
     def forward(self, buf: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -274,12 +285,15 @@ def lm_loss(outputs: tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor, *,
 
 
 def build_model(spec: ModelSpec, plan: ParallelPlan, *, pipeline: bool | None = None, seed: int = 1234,
-                min_capacity: int = 4, aux_loss_coeff: float = 0.01) -> nn.Module:
+                min_capacity: int = 4, aux_loss_coeff: float = 0.01,
+                placement: ExpertPlacement | None = None) -> nn.Module:
     """The model for ``plan``: a :class:`SwitchDecoder`, or with ``pipeline`` (default: when
     ``plan.pp > 1``) a DeepSpeed ``PipelineModule`` of ``plan.pp`` stages (an equal number of decoder
     layers each, embedding on the first, head and loss on the last; needs torch.distributed and
     LOCAL_RANK, as PipelineModule does). MoE layers get ``ep_size = plan.ep``. A model planned with
-    ``plan_for(..., pipeline=True)`` must be built with ``pipeline=True`` even when pp is 1."""
+    ``plan_for(..., pipeline=True)`` must be built with ``pipeline=True`` even when pp is 1.
+    ``placement``: each expert slot gets its logical expert's initial weights (:func:`init_experts`),
+    for the block's ``placement`` (``PiperConfig.expert_placement``)."""
     _check_buildable(spec, plan)
     if pipeline is None:
         pipeline = plan.pp > 1
@@ -287,13 +301,13 @@ def build_model(spec: ModelSpec, plan: ParallelPlan, *, pipeline: bool | None = 
         raise SpecError("pp", plan.pp, "pipeline stages need a PipelineModule", "build with pipeline=True")
     torch.manual_seed(seed)
     if not pipeline:
-        model: nn.Module = SwitchDecoder(spec, plan.ep, seed=seed, min_capacity=min_capacity)
+        model: nn.Module = SwitchDecoder(spec, plan.ep, seed=seed, min_capacity=min_capacity, placement=placement)
     else:
         if spec.tie_embeddings:
             raise SpecError("tie_embeddings", True, "the pipeline builder keeps embedding and head on different "
                             "stages without DeepSpeed's TiedLayerSpec", "set tie_embeddings: false or use pp=1")
         layers: list[Any] = [LayerSpec(EmbeddingPipe, spec)]
-        layers += [LayerSpec(DecoderPipe, spec, i, plan.ep, seed=seed, min_capacity=min_capacity)
+        layers += [LayerSpec(DecoderPipe, spec, i, plan.ep, seed=seed, min_capacity=min_capacity, placement=placement)
                    for i in range(spec.num_layers)]
         layers.append(LayerSpec(HeadPipe, spec))
         model = PipelineModule(layers=layers, num_stages=plan.pp, partition_method="type:DecoderPipe",

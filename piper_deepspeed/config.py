@@ -24,6 +24,10 @@ Keys (the block ``piper plan --export-deepspeed`` writes loads unchanged; ``pipe
       "defer_wgrad": false,         # true: each MoE layer computes its experts' weight gradients after
                                     # posting the dispatch's gradient, while it is in flight (Piper's
                                     # runtime; bit-identical gradients; plans with ep > 1; priced)
+      "placement": null,            # where each logical expert lives: a placement JSON file or the same
+                                    # object inline, {"num_experts": E, "ep": N, "ranks": [[ids], ...]}
+                                    # (docs/placement.md); its ep restricts the plan; the slots' weights
+                                    # must be those experts' (builder.build_model(placement=...))
       "memory_headroom": 0.0,       # fraction of usable GPU memory the plan keeps free, in [0, 1);
                                     # a pinned plan over the limit is refused too
       "plan_only": false,           # true: rank 0 prints the plan, then PlanOnly (SystemExit 0)
@@ -47,6 +51,7 @@ from pydantic import Field, PrivateAttr, ValidationError
 from piper_core.calibrate.profile import load_profile
 from piper_core.errors import SpecError, nearest
 from piper_core.presets import cluster_names, load_cluster, load_model, model_names
+from piper_core.runtime.placement import ExpertPlacement, placement_from_json, read_placement
 from piper_core.scheduler.space import CHUNK_CHOICES, A2AVariant
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
@@ -84,6 +89,7 @@ class PiperConfig(DeepSpeedConfigModel):
     a2a: A2AChoice = "auto"
     chunks: Annotated[int, Field(ge=1)] | Literal["auto", "tune"] = "auto"
     defer_wgrad: bool = False
+    placement: str | dict[str, Any] | None = None
     memory_headroom: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     plan_only: bool = False
     trace: str | None = None
@@ -120,6 +126,33 @@ class PiperConfig(DeepSpeedConfigModel):
             raise SpecError("piper.cluster", None, "is required (or piper.profile): the scheduler plans for the "
                             "cluster the job runs on", f"set it to a preset ({', '.join(cluster_names())}) or a "
                             "ClusterSpec YAML path, or set piper.profile to a profile from `piper calibrate`")
+
+    def expert_placement(self) -> ExpertPlacement | None:
+        """``placement`` read (a file path or the object inline) and validated; errors name
+        ``piper.placement``. None when the block has none."""
+        if self.placement is None:
+            return None
+        try:
+            if isinstance(self.placement, str):
+                return read_placement(self.placement)
+            return placement_from_json(self.placement, where='"piper" block')
+        except SpecError as exc:
+            key = exc.key if exc.key == "placement" else f"placement.{exc.key}"
+            raise SpecError(f"{BLOCK}.{key}", exc.value, exc.rule, exc.fix, where=exc.where) from None
+
+    def checked_placement(self, *, num_experts: int, ep: int) -> ExpertPlacement | None:
+        """:meth:`expert_placement`, refused unless it places ``num_experts`` experts on ``ep`` ranks;
+        with ep = 1 only the default placement (DeepSpeed's own layer runs it, in expert id order)."""
+        placement = self.expert_placement()
+        if placement is None:
+            return None
+        placement.check(num_experts=num_experts, ep=ep, key=f"{BLOCK}.placement",
+                        fix_ep=f'write a placement for ep={ep}, or pin "plan": {{"ep": {placement.ep}, ...}}')
+        if ep == 1 and not placement.is_default:
+            raise SpecError(f"{BLOCK}.placement", placement.where or "inline", "reorders the experts of an ep=1 job, "
+                            "which runs DeepSpeed's own MoE layer (experts in id order)",
+                            "remove piper.placement, or plan with ep > 1")
+        return placement
 
     @property
     def min_chunks(self) -> int:
@@ -229,6 +262,8 @@ _RULES: dict[str, tuple[str, str]] = {
               'write e.g. "model": "tiny-moe"'),
     "plan": ("must be a mapping (tp, pp, ep, etp, cp, vpp, mbs, recompute)",
              "write it as piper plan --export-deepspeed does, or remove it to let Piper search"),
+    "placement": ("must be the path of a placement JSON file or the placement object itself",
+                  'write e.g. "placement": "placement.json" or {"num_experts": 4, "ep": 2, "ranks": [[1, 0], [3, 2]]}'),
     "predicted": ("must be a mapping of numbers (informational, written by piper plan)", "remove the key"),
     "plan.recompute": ("must be one of none, selective, full", 'write e.g. "recompute": "none"'),
     "plan.mbs": ("is required and must be an int >= 1 (micro-batch size)", 'write e.g. "mbs": 1'),

@@ -202,6 +202,7 @@ def plan_for(config: Mapping[str, Any] | str, world_size: int, *, pipeline: bool
     else:
         space = deepspeed_space(block, spec, cluster, world_size, pipeline=pipeline, min_stage=user_stage,
                                 precision=precision)
+        space = _placement_ep(block, spec, space)
         result = search(spec, cluster, world_size, gbs, space=space, memory_headroom=block.memory_headroom)
         result.scored = _without_shared_overlap(spec, cluster, result.scored)
         top = tuple(p for p in best_predictions(spec, cluster, result, TOP) if deepspeed_piper(p.plan) is None)
@@ -214,6 +215,11 @@ def plan_for(config: Mapping[str, Any] | str, world_size: int, *, pipeline: bool
                              "add ranks, change train_batch_size or lower piper.memory_headroom"
                              + (', or set "a2a" and "chunks" to "auto"' if request else ""), rule="deepspeed")
         best = top[0]
+    if block.placement is not None:  # a pinned plan's ep, or the search's (restricted to the placement's)
+        if not spec.is_moe:
+            raise SpecError(f"{BLOCK}.placement", block.placement, f"places experts, and {spec.name} has none",
+                            "remove piper.placement")
+        block.checked_placement(num_experts=spec.num_experts, ep=best.plan.ep)
     stage = max(user_stage, 1 if best.plan.distributed_optimizer else 0)
     return PlanChoice(prediction=best, search=result, top=top, world_size=world_size, global_batch=gbs,
                       zero_stage=stage, user_zero_stage=user_stage, pipeline=pipeline, notes=block.notes)
@@ -230,6 +236,22 @@ def _without_shared_overlap(model: ModelSpec, cluster: ClusterSpec, scored: list
             s = dataclasses.replace(s, plan=plan, step_s=step_time(model, plan, cluster).step)
         out.append(s)
     return out
+
+
+def _placement_ep(block: PiperConfig, model: ModelSpec, space: SearchSpace) -> SearchSpace:
+    """``space`` restricted to the ep of the block's placement (unchanged without one); refused when
+    the search could not run that ep or the placement is for another expert count."""
+    placement = block.expert_placement()
+    if placement is None:
+        return space
+    if not model.is_moe:
+        return space  # refused once the plan is chosen (plan_for)
+    placement.check(num_experts=model.num_experts, ep=placement.ep, key=f"{BLOCK}.placement")
+    if placement.ep not in space.ep:
+        raise SpecError(f"{BLOCK}.placement", placement.where or "inline", f"is for ep={placement.ep}, which this job "
+                        f"cannot run (expert-parallel sizes DeepSpeed can run here: {sorted(space.ep)})",
+                        f"write a placement for one of {sorted(space.ep)}")
+    return dataclasses.replace(space, ep=(placement.ep,))
 
 
 def _needs_ep(request: tuple[str, Any], why: str, fix: str) -> SpecError:
@@ -358,8 +380,10 @@ def report(choice: PlanChoice, changes: list[Change], config: Mapping[str, Any],
             how = f"pipelined: {plan.a2a} exchanges in {chunks} overlapping the experts"
         deferred = ("; each computes its experts' weight gradients while the dispatch's gradient is in flight "
                     "(defer_wgrad)") if plan.defer_wgrad else ""
+        placed = read_block(config).expert_placement() if (config.get(BLOCK) or {}).get("placement") else None
+        where = f"; experts placed as piper.placement says: {placed.describe()}" if placed is not None else ""
         lines.append(f"piper: {p.model.num_moe_layers} MoE layers with ep_size {plan.ep} run Piper's all-to-all, "
-                     f"{how}{deferred}")
+                     f"{how}{deferred}{where}")
     else:
         lines.append("piper: ep=1: no expert-parallel all-to-all; MoE layers stay DeepSpeed's")
     lines += [f"piper: note: {note}" for note in choice.notes]
@@ -427,10 +451,13 @@ def initialize(args: Any = None, model: torch.nn.Module = None, optimizer: Any =
         raise PlanOnly(choice)
     _check_model(model, choice.prediction.model, choice.plan, mpu)
     plan = choice.plan
+    placement = block.checked_placement(num_experts=choice.prediction.model.num_experts, ep=plan.ep) \
+        if choice.prediction.model.is_moe else None
     if plan.ep > 1:
         tracer = Tracer(Path(block.trace) / f"a2a-rank{rank}.jsonl") if block.trace else None
         swap_moe_layers(model, A2ASettings.from_plan(plan.a2a, plan.a2a_chunks, tune=block.chunks == "tune",
-                                                     defer_wgrad=plan.defer_wgrad), tracer=tracer)
+                                                     defer_wgrad=plan.defer_wgrad), tracer=tracer,
+                        placement=placement)
     # DeepSpeed gets the config without the block (the guard around deepspeed.initialize refuses an
     # active one; DeepSpeed ignores it anyway), then engine.config shows the block that ran. The dict
     # is our copy, the very one the engine (and its DeepSpeedConfig) keeps.

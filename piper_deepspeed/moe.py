@@ -17,6 +17,13 @@ and ``exp_counts``) and replaces what follows the gate with :mod:`piper_core.run
    per-parameter reduce hooks allow one: ``stage_1_and_2.reduce_ipg_grads``, "Gradient computed
    twice for this partition").
 
+Expert placement (the block's ``placement``, :class:`~piper_core.runtime.placement.ExpertPlacement`):
+the gate is DeepSpeed's and picks logical experts; before the routes are sorted, each kept route's
+expert id becomes its physical slot (``slot_of``), so its token goes to the rank and local expert
+holding that logical expert; ``exp_counts`` and ``l_aux`` stay the gate's (logical). With each
+slot holding its logical expert's weights (``builder.init_experts(placement=...)``), outputs and
+gradients equal the default placement's (tests/deepspeed/test_placement.py).
+
 Outputs and gradients equal stock DeepSpeed's to fp32 rounding (tests/deepspeed/test_moe_layer.py):
 the experts see the same rows, only without the padding rows, whose outputs DeepSpeed discards.
 Requirements: DeepSpeed's ``Experts`` container (``deepspeed_experts``), experts that act on each
@@ -52,6 +59,7 @@ from piper_core.errors import SpecError
 from piper_core.runtime import A2AComm, Algorithm, AutoChunks, NodeTopology, ScheduleEvent, create_comm, exchange_counts
 from piper_core.runtime import moe_alltoall, plan_dispatch
 from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS, ADAPTER_TUNING
+from piper_core.runtime.placement import ExpertPlacement
 from piper_core.specs.parallel import read_a2a
 
 # Deadline of each wait of Piper's all-to-all (piper_core.runtime.timeouts). A training step can
@@ -157,22 +165,37 @@ class PiperMOELayer(MOELayer):
     piper_tracer: Tracer | None = None
     piper_name: str = ""
     piper_auto: AutoChunks | None = None  # this layer's chunk-count tuner (settings.tune), made with the comm
+    piper_placement: ExpertPlacement | None = None
+    piper_slot_of: torch.Tensor | None = None  # [E] physical slot of each logical expert (None: the default)
 
     def configure(self, settings: A2ASettings, *, comm: A2AComm | None = None, tracer: Tracer | None = None,
                   name: str = "") -> None:
         self.piper_a2a, self.piper_comm, self.piper_tracer, self.piper_name = settings, comm, tracer, name
 
+    def place(self, placement: ExpertPlacement | None) -> None:
+        """Route each logical expert's tokens to its slot in ``placement`` (None: the default);
+        SpecError when it is for another expert count or ep size than this layer's."""
+        slot_of = None
+        if placement is not None:
+            num_experts = self.num_local_experts * self.ep_size
+            where = f"MoE layer {self.piper_name!r} placement" if self.piper_name else "placement"
+            placement.check(num_experts=num_experts, ep=self.ep_size, key=where)
+            slot_of = None if placement.is_default else torch.tensor(placement.slot_of, dtype=torch.long)
+        self.piper_placement, self.piper_slot_of = placement, slot_of
+
     @classmethod
     def from_layer(cls, layer: MOELayer, settings: A2ASettings, *, name: str = "",
-                   tracer: Tracer | None = None) -> PiperMOELayer:
+                   tracer: Tracer | None = None, placement: ExpertPlacement | None = None) -> PiperMOELayer:
         """A PiperMOELayer sharing ``layer``'s gate and experts (parameters, expert group name and
-        size, ep group if already set). ``name`` names the layer in errors and traces."""
+        size, ep group if already set). ``name`` names the layer in errors and traces; ``placement``:
+        where each logical expert lives (:meth:`place`)."""
         _check_swappable(layer, name)
         new = cls(layer.gate, layer.experts, layer.ep_group_name, layer.ep_size, layer.num_local_experts,
                   use_tutel=False)
         new.ep_group = layer.ep_group
         new.wall_clock_breakdown = layer.wall_clock_breakdown
         new.configure(settings, tracer=tracer, name=name)
+        new.place(placement)
         return new
 
     def forward(self, *input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -188,6 +211,9 @@ class PiperMOELayer(MOELayer):
         used = input[1] if len(input) > 1 else None
         self.l_aux, capacity, num_experts, indices, locations, gates, self.exp_counts = self.gate(
             tokens, used, True, False)
+        if self.piper_slot_of is not None:  # logical expert -> physical slot; dropped routes (-1) stay dropped
+            slots = self.piper_slot_of.to(indices.device)[indices.long().clamp(min=0)].to(indices.dtype)
+            indices = torch.where(indices >= 0, slots, indices)
         routes = Routes.from_gate(indices, locations, num_experts, int(capacity))
         counts = exchange_counts(routes.tokens_per_expert, comm=self.piper_comm)
         meta = plan_dispatch(counts, comm=self.piper_comm, algorithm=self.piper_a2a.algorithm,
@@ -251,13 +277,16 @@ def moe_modules(model: torch.nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
-def swap_moe_layers(model: torch.nn.Module, settings: A2ASettings, *, tracer: Tracer | None = None) -> list[str]:
-    """Replace the ``deepspeed_moe`` of every ``MoE`` module with ep_size > 1 by a PiperMOELayer;
-    returns the names of the swapped MoE modules. Call before ``deepspeed.initialize``."""
+def swap_moe_layers(model: torch.nn.Module, settings: A2ASettings, *, tracer: Tracer | None = None,
+                    placement: ExpertPlacement | None = None) -> list[str]:
+    """Replace the ``deepspeed_moe`` of every ``MoE`` module with ep_size > 1 by a PiperMOELayer
+    (each with ``placement``: where each logical expert lives, None for the default); returns the
+    names of the swapped MoE modules. Call before ``deepspeed.initialize``."""
     swapped = []
     for name, module in moe_modules(model):
         if module.ep_size > 1:
-            module.deepspeed_moe = PiperMOELayer.from_layer(module.deepspeed_moe, settings, name=name, tracer=tracer)
+            module.deepspeed_moe = PiperMOELayer.from_layer(module.deepspeed_moe, settings, name=name, tracer=tracer,
+                                                            placement=placement)
             swapped.append(name)
     return swapped
 

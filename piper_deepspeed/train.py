@@ -158,12 +158,16 @@ def train(args: TrainArgs) -> Run:
     """Build, initialise and train on the current torch.distributed group (every rank calls it)."""
     import piper_deepspeed
     from piper_deepspeed.builder import build_model, lm_loss
+    from piper_deepspeed.config import read_block
 
     world, rank = dist.get_world_size(), dist.get_rank()
     spec = model_spec(args)
     _plan_only(args, spec, world, rank)
     plan = _layout(args, spec, world)
-    model = build_model(spec, plan, seed=args.seed, pipeline=args.pipeline, aux_loss_coeff=args.aux_loss_coeff)
+    block = read_block(args.config)  # its placement (checked by _layout's plan_for): the slots get their experts
+    placement = block.expert_placement() if block is not None and block.enabled and plan.ep > 1 else None
+    model = build_model(spec, plan, seed=args.seed, pipeline=args.pipeline, aux_loss_coeff=args.aux_loss_coeff,
+                        placement=placement)
     engine, _, _, _ = piper_deepspeed.initialize(model=model, model_parameters=model.parameters(), config=args.config)
     mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     dp_rank = engine.grid.get_data_parallel_rank() if args.pipeline else rank

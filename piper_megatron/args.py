@@ -51,7 +51,9 @@ class PiperOptions:
     pipelined`` (flat, pipelined), whose reading ``notes`` holds; ``world_size``
     (``--piper-world-size``) stands in for the launcher's WORLD_SIZE in plan-only runs; ``off``
     (``--piper-off``): Megatron switches the plan must leave off (:data:`piper_megatron.pins.OFF_NAMES`);
-    ``defer_wgrad`` (``--piper-defer-wgrad``): plans with ep > 1 defer the experts' weight gradients."""
+    ``defer_wgrad`` (``--piper-defer-wgrad``): plans with ep > 1 defer the experts' weight gradients;
+    ``placement`` (``--piper-placement``): the JSON file placing each logical expert in a physical slot
+    (:mod:`piper_core.runtime.placement`; read and checked against the plan by ``install.plan_job``)."""
 
     enabled: bool
     cluster: str | None = None
@@ -66,6 +68,7 @@ class PiperOptions:
     world_size: int | None = None
     off: tuple[str, ...] = ()
     defer_wgrad: bool = False
+    placement: Path | None = None
 
 
 def _chunks(text: str) -> int | str | None:
@@ -109,6 +112,10 @@ def add_piper_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--piper-defer-wgrad", action="store_true",
                        help="compute the experts' weight gradients after posting each dispatch gradient, while it "
                             "is in flight (plans with ep > 1; bit-identical gradients; priced by the scheduler)")
+    group.add_argument("--piper-placement", type=Path, metavar="FILE",
+                       help="expert placement JSON ({\"num_experts\": E, \"ep\": N, \"ranks\": [[logical expert ids "
+                            "of rank 0], ...]}): the dispatcher sends each logical expert's tokens to its slot; the "
+                            "slots' weights must be those experts' (docs/placement.md)")
     group.add_argument("--piper-plan-only", action="store_true", help="print the plan and exit")
     group.add_argument("--piper-trace", type=Path, metavar="FILE",
                        help="write per-layer, per-rank dispatch/expert/combine times as JSON lines")
@@ -148,12 +155,14 @@ def piper_options(ns: argparse.Namespace) -> PiperOptions:
                            min_chunks=min_chunks, notes=notes, plan_only=bool(getattr(ns, "piper_plan_only", False)),
                            trace=getattr(ns, "piper_trace", None), world_size=getattr(ns, "piper_world_size", None),
                            off=off_names(getattr(ns, "piper_off", None)),
-                           defer_wgrad=bool(getattr(ns, "piper_defer_wgrad", False)))
+                           defer_wgrad=bool(getattr(ns, "piper_defer_wgrad", False)),
+                           placement=getattr(ns, "piper_placement", None))
     given = [flag for flag, on in (("--piper-cluster", options.cluster), ("--piper-profile", options.profile),
                                    ("--piper-a2a", given_a2a != "auto"), ("--piper-chunks", given_chunks),
                                    ("--piper-plan-only", options.plan_only), ("--piper-trace", options.trace),
                                    ("--piper-world-size", options.world_size),
                                    ("--piper-defer-wgrad", options.defer_wgrad),
+                                   ("--piper-placement", options.placement),
                                    ("--piper-off", getattr(ns, "piper_off", None))) if on]
     if given and not options.enabled:
         raise SpecError(given[0], "given", "Piper's flags act only together with --piper (without it nothing of "

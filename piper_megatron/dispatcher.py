@@ -46,6 +46,16 @@ nodes. Pipelined, fc1 runs before the fused call and fc2 after it, beside no exc
 expert's graph would not be recorded (grad mode is off there); the chunks there already overlap the
 exchanges with the routed experts.
 
+Expert placement (``placement``, ``--piper-placement``: :class:`~piper_core.runtime.placement.
+ExpertPlacement`): Megatron's router is untouched and picks logical experts; ``dispatch_preprocess``
+reorders the columns of its ``routing_map`` and ``probs`` from logical to physical (column ``s`` is
+logical expert ``logical_at[s]``) before anything else reads them, so every later phase (counts,
+permutation, exchanges, the sort by local expert, the unpermute) works in physical slots and the
+tokens of logical expert ``l`` reach slot ``slot_of[l]`` on its rank. The probs' reorder is an
+index (autograd scatters the gradient back to the router's columns), so outputs and gradients equal
+the default placement's when each slot holds its logical expert's weights (tests/megatron/
+test_placement.py).
+
 Deferred expert weight gradients (``defer_wgrad``, ``--piper-defer-wgrad``) run the fused path too,
 one chunk included: ``moe_alltoall(defer_wgrad=True)`` splits each chunk's expert backward into
 input and weight gradients (``piper_core/runtime/wgrad.py``). Megatron-Core's expert linears
@@ -104,6 +114,7 @@ from piper_core.runtime import (
 )
 from piper_core.runtime import timeouts
 from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS, choose
+from piper_core.runtime.placement import ExpertPlacement
 from piper_megatron.pins import PIPER_ALGORITHMS
 from piper_megatron.trace import LayerRecord, Tracer
 
@@ -114,7 +125,8 @@ class DispatchSettings:
 
     ``tune``: each MoE layer measures its chunk count at run time (an :class:`AutoChunks` over
     :data:`ADAPTER_CANDIDATES`, :data:`ADAPTER_TRIALS` steps each); ``chunks`` is then only the
-    count the plan assumed. Every layer runs the fused path, one chunk included."""
+    count the plan assumed. Every layer runs the fused path, one chunk included. ``placement``: where
+    each logical expert lives (None: logical expert ``l`` in slot ``l``)."""
 
     # ParallelPlan.a2a values (the aggregated exchange is the runtime's, no plan's)
     PLAN_ALGORITHMS: ClassVar[tuple[str, ...]] = PIPER_ALGORITHMS
@@ -122,13 +134,15 @@ class DispatchSettings:
     chunks: int = 1
     tune: bool = False
     defer_wgrad: bool = False
+    placement: ExpertPlacement | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, int) or self.chunks < 1:
             raise SpecError("chunks", self.chunks, "must be an int >= 1", "use 1 for the unpipelined exchange")
 
     @classmethod
-    def from_plan(cls, a2a: str, chunks: int, *, tune: bool = False, defer_wgrad: bool = False) -> DispatchSettings:
+    def from_plan(cls, a2a: str, chunks: int, *, tune: bool = False, defer_wgrad: bool = False,
+                  placement: ExpertPlacement | None = None) -> DispatchSettings:
         """A ParallelPlan's ``a2a`` (flat|hierarchical: the exchange of every chunk) and
         ``a2a_chunks`` (> 1: pipelined), as the step-time model prices them (piper_core/timing/
         layer.py); ``tune`` measures the chunk count of either algorithm at run time. A setting
@@ -140,7 +154,7 @@ class DispatchSettings:
         if a2a not in cls.PLAN_ALGORITHMS:
             raise SpecError("a2a", a2a, f"a plan's exchange algorithm is one of {', '.join(cls.PLAN_ALGORITHMS)}",
                             "use flat or hierarchical, and the chunk count for pipelining")
-        return cls(algorithm=Algorithm(a2a), chunks=chunks, tune=tune, defer_wgrad=defer_wgrad)
+        return cls(algorithm=Algorithm(a2a), chunks=chunks, tune=tune, defer_wgrad=defer_wgrad, placement=placement)
 
     @property
     def pipelined(self) -> bool:
@@ -151,7 +165,8 @@ class DispatchSettings:
     def describe(self) -> str:
         deferred = "; expert weight gradients computed while each dispatch gradient is in flight" \
             if self.defer_wgrad else ""
-        return self._describe() + deferred
+        placed = "" if self.placement is None else f"; expert placement: {self.placement.describe()}"
+        return self._describe() + deferred + placed
 
     def _describe(self) -> str:
         if self.tune:
@@ -207,6 +222,7 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
             raise SpecError("PiperTokenDispatcher", "unbound", "needs a comm and settings",
                             "build layers after piper_megatron.dispatcher.install_dispatcher(comm, settings)")
         self._check(binding, config)
+        self._logical_at = _logical_at(binding.settings.placement, num_experts=self.num_experts, ep=self.ep_size)
         self._meta: DispatchMeta | None = None
         self._counts: torch.Tensor | None = None  # this step's [etp, W, E] counts, kept until it is planned
         self._shared: Any = None  # the shared expert when Megatron overlaps it (set_shared_experts)
@@ -340,6 +356,9 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._shared, self.shared_experts = shared_experts, None
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        if self._logical_at is not None:  # router columns (logical experts) -> physical slots (module doc)
+            index = self._logical_at.to(routing_map.device)
+            routing_map, probs = routing_map.index_select(1, index), probs.index_select(1, index)
         out = super().dispatch_preprocess(hidden_states, routing_map, probs)
         if self._shared is not None:  # its sequence-parallel gather, as the stock phase runs it
             self._shared.pre_forward_comm(hidden_states)
@@ -454,6 +473,15 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
         # the stock combine_preprocess reduces in the probs' dtype
         return reduce_scatter_to_sequence_parallel_region(out.to(self.probs.dtype), group=self.tp_group,
                                                           input_split_sizes=per_rank).to(out.dtype)
+
+
+def _logical_at(placement: ExpertPlacement | None, *, num_experts: int, ep: int) -> torch.Tensor | None:
+    """The router column each physical slot reads (None for no placement or the default one);
+    SpecError when ``placement`` is for another expert count or expert-parallel size."""
+    if placement is None:
+        return None
+    placement.check(num_experts=num_experts, ep=ep, key="placement")
+    return None if placement.is_default else torch.tensor(placement.logical_at, dtype=torch.long)
 
 
 class _ExpertGroupAutoChunks(AutoChunks):

@@ -83,6 +83,7 @@ class Planned:
     result: SearchResult
     best: tuple[Prediction, ...]
     notes: tuple[str, ...]
+    placement: Any = None  # the --piper-placement ExpertPlacement, whose ep every plan of the search has
 
     @property
     def top(self) -> Prediction:
@@ -172,6 +173,11 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
         space = _fp32_space(space)
     if limit is not None:
         space = limit(space)
+    placement = _placement(options, model, space.ep)
+    if placement is not None:
+        space = dataclasses.replace(space, ep=(placement.ep,))
+        notes.append(f"--piper-placement {options.placement}: ep={placement.ep} as the placement says; "
+                     f"{placement.describe()}")
     if resume is not None:
         space = narrow(space, resume, model, pins, world_size=world_size, gbs=gbs, attention=_attention(ns))
         notes.append(resume.note(cluster.name))
@@ -189,7 +195,28 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
         raise Infeasible(_no_plan(model, cluster, world_size, gbs, pins, result) + hint, rule="no feasible plan")
     check_save(ns, resume, model, best[0].plan)
     return Planned(model=model, cluster=cluster, gpus=world_size, gbs=gbs, pins=pins, result=result, best=best,
-                   notes=tuple(notes + _pin_notes(pins)))
+                   notes=tuple(notes + _pin_notes(pins)), placement=placement)
+
+
+def _placement(options: PiperOptions, model: ModelSpec, eps: Sequence[int]) -> Any:
+    """``--piper-placement``'s ExpertPlacement (None without the flag), checked against the model's
+    experts and the expert-parallel sizes the search may still pick (``eps``); its ep restricts the
+    search. Imports the runtime package (torch) only when the flag is given."""
+    if options.placement is None:
+        return None
+    from piper_core.runtime.placement import read_placement
+
+    if not model.is_moe:
+        raise SpecError("--piper-placement", str(options.placement), "places experts, and this model has none",
+                        "drop --piper-placement, or add --num-experts")
+    placement = read_placement(options.placement)
+    placement.check(num_experts=model.num_experts, ep=placement.ep, key="--piper-placement")
+    if placement.ep not in eps:
+        raise SpecError("--piper-placement", str(options.placement), f"is for ep={placement.ep}, which this job "
+                        f"cannot run (expert-parallel sizes left by the command line and the world size: "
+                        f"{sorted(eps)})", f"write a placement for one of {sorted(eps)}, or drop or change "
+                        "--expert-model-parallel-size")
+    return placement
 
 
 def _experts_as_written(ns: Any, options: PiperOptions, cluster: ClusterSpec) -> ClusterSpec:
@@ -304,6 +331,7 @@ class DispatchRequest:
     defer_wgrad: bool = False
     timeout_minutes: float
     trace: Any = None
+    placement: Any = None  # an ExpertPlacement (--piper-placement), or None for the default
 
 
 class Installation:
@@ -387,7 +415,8 @@ class Installation:
             self.hook_model_parallel(DispatchRequest(
                 a2a=plan.a2a, chunks=plan.a2a_chunks, tune=options.tune, defer_wgrad=plan.defer_wgrad,
                 ranks_per_node=self.planned.cluster.exchange_domain_ranks(_ranks_per_node()),
-                timeout_minutes=getattr(args, "distributed_timeout_minutes", 10), trace=options.trace))
+                timeout_minutes=getattr(args, "distributed_timeout_minutes", 10), trace=options.trace,
+                placement=self.planned.placement))
 
     def _record(self, args: Any) -> PlanRecord:
         """The plan's record, with the values ``args`` now holds for every setting Piper owns."""
@@ -432,7 +461,7 @@ class Installation:
             self._tracer = Tracer.for_rank(request.trace, rank=dist.get_rank(), world_size=world)
             atexit.register(self._tracer.close)
         settings = DispatchSettings.from_plan(request.a2a, request.chunks, tune=request.tune,
-                                              defer_wgrad=request.defer_wgrad)
+                                              defer_wgrad=request.defer_wgrad, placement=request.placement)
         self._dispatcher = install_dispatcher(comm, settings, tracer=self._tracer)
 
 
