@@ -85,7 +85,7 @@ def _fp8_space(args: argparse.Namespace, model: ModelSpec, cluster) -> SearchSpa
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "routing", None):
+    if getattr(args, "routing", None) or getattr(args, "optimize_placement", False):
         from piper_core.cli.routing import run_plan
         return run_plan(args)
     model, cluster = target_model(args), target_cluster(args)

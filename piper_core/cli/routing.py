@@ -32,6 +32,10 @@ def add_routing_args(p: argparse.ArgumentParser, *, placement: bool) -> None:
         p.add_argument("--placement", metavar="FILE",
                        help="experts per expert-parallel rank, per MoE layer (written by `piper placement --out`; "
                             "default: Megatron's contiguous placement); needs --routing")
+    else:
+        p.add_argument("--optimize-placement", action="store_true",
+                       help="price every plan with the experts placed by `piper placement` for its ep (default: "
+                            "Megatron's contiguous placement); needs --routing")
 
 
 def _mib(n: float) -> str:
@@ -116,6 +120,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from piper_core.scheduler.space import default_space
     from piper_core.timing.loaded import with_load
 
+    if args.optimize_placement and not args.routing:
+        raise SpecError("--optimize-placement", True, "places experts for a routing distribution", "add --routing FILE")
     for flag in ("export_megatron", "export_deepspeed", "plot", "report", "detail"):
         if getattr(args, flag):
             raise SpecError(f"--{flag.replace('_', '-')}", getattr(args, flag), "is not yet available with --routing",
@@ -127,9 +133,11 @@ def run_plan(args: argparse.Namespace) -> int:
     gbs = args.gbs or plan_cli.default_gbs(model, args.gpus)
     space = plan_cli._fp8_space(args, model, cluster) or default_space(model, cluster, args.gpus)
     result = SearchResult()
+    placed = {ep: _placements(routing, ep, args.optimize_placement) for ep in space.ep
+              if model.num_experts % ep == 0}
     for ep in space.ep:
-        load = max((load_factor(c, default_placement(model.num_experts, ep)) for _, c in routing.layers), default=1.0) \
-            if model.num_experts % ep == 0 else model.moe_expert_load_skew
+        load = max((load_factor(c, placed[ep][n]) for n, c in routing.layers), default=1.0) \
+            if ep in placed else model.moe_expert_load_skew
         part = search(with_load(model, load), cluster, args.gpus, gbs, space=dataclasses.replace(space, ep=(ep,)),
                       memory_headroom=args.memory_headroom, attention_backend=args.attention,
                       progress=Progress(f"searching ep={ep}"), workers=args.workers or plan_cli.default_workers())
@@ -137,14 +145,15 @@ def run_plan(args: argparse.Namespace) -> int:
         result.rejected.update(part.rejected)
         result.scored += part.scored
         result.elapsed_s += part.elapsed_s
-    routed = [predict_routed(model, cluster, s.plan, routing) for s in result.best(REPRICED)]
+    routed = [predict_routed(model, cluster, s.plan, routing, placed[s.plan.ep]) for s in result.best(REPRICED)]
     order = sorted(range(len(routed)), key=lambda i: _rank_key(_scored(routed[i], Scored)))
     routed = [routed[i] for i in order]
     ranked = [_scored(r, Scored) for r in routed]
     leading = [r.prediction for r in routed]
     best = leading[:args.top]
     note = (f"routing: searched each ep at its busiest layer's load, then re-priced the {len(routed)} leading "
-            "plans layer by layer")
+            "plans layer by layer; experts placed " + ("by `piper placement` for each ep" if args.optimize_placement
+                                                        else "as Megatron does (contiguous)"))
     if args.json:
         out = plan_cli.plan_json(result, best, gbs)
         for entry, r in zip(out["plans"], routed):
@@ -159,6 +168,15 @@ def run_plan(args: argparse.Namespace) -> int:
             print(note)
             print("\n".join(routing_lines(routed[0])))
     return 0 if best else 1
+
+
+def _placements(routing, ep: int, optimized: bool) -> dict:
+    """layer_number -> placement on ``ep`` ranks: the optimizer's, or Megatron's default."""
+    if optimized:
+        from piper_core.scheduler.placement import optimize
+        return {p.layer: p.placement for p in optimize(routing, ep)}
+    default = default_placement(routing.num_experts, ep)
+    return {n: default for n, _ in routing.layers}
 
 
 def _scored(r: RoutedPrediction, cls):
@@ -207,7 +225,7 @@ def run_placement(args: argparse.Namespace) -> int:
     data = placement_json(found, num_experts=model.num_experts, ep=ep)
     if args.out:
         from pathlib import Path
-        Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+        Path(args.out).write_text(placement_text(data))
     priced = None
     if plan is not None:
         cluster = target_cluster(args)
@@ -222,6 +240,12 @@ def run_placement(args: argparse.Namespace) -> int:
     else:
         print("\n".join(_placement_text(model, routing, ep, found, priced, args.out)))
     return 0
+
+
+def placement_text(data: dict) -> str:
+    """The placement file as JSON with one line per layer (each rank's experts in a list)."""
+    layers = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in data["layers"].items())
+    return (f'{{"num_experts": {data["num_experts"]}, "ep": {data["ep"]},\n "layers": {{\n{layers}\n }}\n}}\n')
 
 
 def _placement_text(model, routing, ep: int, found, priced, out: str | None) -> list[str]:

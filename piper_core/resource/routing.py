@@ -220,7 +220,7 @@ def routing_json(r: RoutedPrediction) -> dict[str, Any]:
     """The ``routing`` key of ``--json``: the input, and per MoE layer its load under the placement."""
     default = default_placement(r.routing.num_experts, r.prediction.plan.ep)
     return {"source": r.routing.source, "num_experts": r.routing.num_experts,
-            "placement": "default" if all(p == default for _, p in r.placements) else "given",
+            "placement": "default" if all(p == default for _, p in r.placements) else "custom",
             "max_rank_over_mean": r.max_load.rank_max_over_mean,
             "layers": [{"layer": x.layer, "expert_max_over_mean": x.expert_max_over_mean,
                         "rank_max_over_mean": x.rank_max_over_mean, "busiest_rank": x.busiest_rank,

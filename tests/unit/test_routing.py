@@ -259,7 +259,59 @@ def test_placement_cli_writes_what_predict_reads(tmp_path, capsys):
     assert main(ARGS + ["--routing", str(path), "--placement", str(out), "--json"]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["time_s"]["step"] == result["predicted"]["optimized"]["time_s"]["step"]
-    assert again["routing"]["placement"] == "given"
+    assert again["routing"]["placement"] == "custom"
     # 4 hot experts on 4 of the 8 ranks: (4 + 15) / 17.5
     assert again["routing"]["max_rank_over_mean"] == pytest.approx(19 / 17.5)
     assert math.isclose(result["layers"][0]["gap"], 0.0, abs_tol=1e-12)
+
+
+def _plan_json(capsys, argv):
+    code = main(argv + ["--json", "--workers", "1"])
+    out = json.loads(capsys.readouterr().out)
+    return code, out
+
+
+def test_plan_with_even_routing_picks_what_plan_picks(tmp_path, capsys):
+    base = ["plan", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--gpus", "16", "--top", "3"]
+    even = histogram(tmp_path, {}, experts=128, default=[7] * 128)
+    _, plain = _plan_json(capsys, base)
+    _, routed = _plan_json(capsys, base + ["--routing", str(even)])
+    assert [p["plan"] for p in routed["plans"]] == [p["plan"] for p in plain["plans"]]
+    assert [p["time_s"]["step"] for p in routed["plans"]] == [p["time_s"]["step"] for p in plain["plans"]]
+    assert routed["candidates"] == plain["candidates"] and routed["feasible"] == plain["feasible"]
+    assert all(x["rank_max_over_mean"] == 1.0 for x in routed["plans"][0]["routing"]["layers"])
+
+
+def test_plan_with_skewed_routing_prices_each_plan_per_layer(tmp_path, capsys):
+    """The plans `plan --routing` prints are priced as `predict --routing` prices them; placing the
+    experts for each ep (--optimize-placement) never makes the best plan slower."""
+    from piper_core.specs.parallel import ParallelPlan
+    from piper_core.specs.yamlio import from_dict
+
+    skewed = histogram(tmp_path, {}, experts=128, default=[4] * 4 + [1] * 124)
+    base = ["plan", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--gpus", "16", "--top", "2", "--routing", str(skewed)]
+    _, default = _plan_json(capsys, base)
+    _, optimized = _plan_json(capsys, base + ["--optimize-placement"])
+    fields = {f.name for f in dataclasses.fields(ParallelPlan) if f.init}
+    routing = load_routing(skewed, QWEN)
+    for entry in default["plans"]:
+        plan = from_dict(ParallelPlan, {k: v for k, v in entry["plan"].items() if k in fields})
+        again = predict_routed(QWEN, H100, plan, routing)
+        assert entry["time_s"]["step"] == again.prediction.time.step
+        assert entry["routing"]["placement"] == "default"
+        assert entry["routing"]["max_rank_over_mean"] == load_factor(routing.counts(1), default_placement(128, plan.ep))
+    assert optimized["plans"][0]["time_s"]["step"] <= default["plans"][0]["time_s"]["step"]
+    assert optimized["plans"][0]["routing"]["max_rank_over_mean"] < default["plans"][0]["routing"]["max_rank_over_mean"]
+
+
+def test_the_documented_placement_is_the_optimizers():
+    """docs/routing/qwen3-30b-ep16-placement.json is what `piper placement --out` writes for the
+    documented distribution (so docs/routing.md prices what the command makes)."""
+    from pathlib import Path
+
+    from piper_core.scheduler.placement import optimize
+
+    root = Path(__file__).resolve().parents[2] / "docs" / "routing"
+    routing = load_routing(root / "qwen3-30b-skewed.yaml", QWEN)
+    assert load_placement(str(root / "qwen3-30b-ep16-placement.json"), QWEN, 16) == {
+        p.layer: p.placement for p in optimize(routing, 16)}
