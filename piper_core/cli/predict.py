@@ -47,8 +47,10 @@ def run(args: argparse.Namespace) -> int:
 
 def overrides(args: argparse.Namespace, model) -> str:
     """``seq_length 4096, moe_capacity_factor 1.5`` for the model settings the command line set."""
-    given = (("seq_length", args.seq_length), ("moe_capacity_factor", args.capacity_factor))
-    shown = {"seq_length": model.seq_length, "moe_capacity_factor": model.moe_capacity_factor or "none (dropless)"}
+    given = (("seq_length", args.seq_length), ("moe_capacity_factor", args.capacity_factor),
+             ("moe_expert_load_skew", getattr(args, "expert_load_skew", None)))
+    shown = {"seq_length": model.seq_length, "moe_capacity_factor": model.moe_capacity_factor or "none (dropless)",
+             "moe_expert_load_skew": f"{model.moe_expert_load_skew:g}"}
     return ", ".join(f"{key} {shown[key]}" for key, raw in given if raw is not None)
 
 

@@ -315,3 +315,14 @@ def test_the_documented_placement_is_the_optimizers():
     routing = load_routing(root / "qwen3-30b-skewed.yaml", QWEN)
     assert load_placement(str(root / "qwen3-30b-ep16-placement.json"), QWEN, 16) == {
         p.layer: p.placement for p in optimize(routing, 16)}
+
+
+def test_the_skew_parameter_on_the_command_line(capsys):
+    """--expert-load-skew S prices as a model spec with moe_expert_load_skew: S; not with --routing."""
+    assert main(ARGS + ["--expert-load-skew", "2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    plan = parse_parallel("ep=8,mbs=1,gbs=512", 64)
+    want = to_json(predict(dataclasses.replace(QWEN, moe_expert_load_skew=2.0), H100, plan))
+    assert got == json.loads(json.dumps(want))
+    assert main(ARGS + ["--expert-load-skew", "0.9"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err
