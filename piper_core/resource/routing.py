@@ -36,19 +36,23 @@ is live at a time, is exact.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
-from piper_core.errors import SpecError
+import yaml
+
+from piper_core.errors import SpecError, nearest
 from piper_core.resource.memory import StageMemory, stage_memory
 from piper_core.resource.predict import Prediction, predict, to_json
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.compat import check_plan, stage_layers
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
-from piper_core.specs.routing import Counts, Routing
+from piper_core.specs.routing import Counts, Routing, moe_layer_numbers
 from piper_core.timing.compute import element_bytes
 from piper_core.timing.loaded import loaded_step_time, with_load
 from piper_core.timing.step import throughput
@@ -245,14 +249,6 @@ def load_placement(path: str, model: ModelSpec, ep: int) -> dict[int, Placement]
     ``layers`` maps Megatron's 1-based layer_number to each rank's logical experts; MoE layers not
     listed keep Megatron's default placement. ``num_experts`` and ``ep`` must match the model and plan.
     """
-    import json
-    from pathlib import Path
-
-    import yaml
-
-    from piper_core.errors import nearest
-    from piper_core.specs.routing import moe_layer_numbers
-
     where = str(path)
     try:
         text = Path(path).read_text()

@@ -163,10 +163,11 @@ def _parse_mapping(path: Path, text: str) -> dict:
 def _layer_number(key: Any, model: ModelSpec, where: str) -> int:
     """A ``layers`` key as a MoE layer number of ``model``."""
     moe = moe_layer_numbers(model)
-    try:
-        number = int(key) if not isinstance(key, bool) and str(key).strip().lstrip("-").isdigit() else None
-    except ValueError:
-        number = None
+    number = None
+    if isinstance(key, int) and not isinstance(key, bool):
+        number = key
+    elif isinstance(key, str) and key.strip().isdigit():
+        number = int(key)
     if number is None or number not in moe:
         shown = ", ".join(map(str, moe[:8])) + (", ..." if len(moe) > 8 else "")
         rule = ("is not a layer number (Megatron's 1-based layer_number)" if number is None else

@@ -91,6 +91,7 @@ def test_trace_with_a_rank_missing_is_refused(tmp_path):
     ({2: [1, 1, 1, -3, 1, 1, 1, 1]}, [1] * 8, r"layers\.2\[3\]=-3: is a token count and must be >= 0"),
     ({2: [0] * 8}, [1] * 8, r"counts all 0 tokens"),
     ({2: [1] * 8}, None, r"lacks MoE layers 1, 3, 4 of tiny-moe"),
+    ({"first": [1] * 8}, [1] * 8, r"layers\.first=.*is not a layer number \(Megatron's 1-based layer_number\)"),
 ])
 def test_bad_histograms_say_what_and_how_to_fix(tmp_path, layers, default, match):
     with pytest.raises(SpecError, match=match):
