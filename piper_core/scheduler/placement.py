@@ -18,15 +18,19 @@ Algorithm:
    one (each swap lowers the sum of squared loads, so it stops).
 3. Keep the better of that and Megatron's default placement: **never worse than the default**.
 
-Bound: no a-priori ratio is claimed for the cardinality-constrained case (plain LPT's
-``4/3 - 1/(3m)`` of Graham 1969 does not carry over as is). Instead each result states its
+Bounds. Steps 2 and 3 never raise the busiest rank, so what holds for step 1 holds for the result:
+with one expert per rank every placement is optimal; with two, the greedy pairs the ``i``-th
+largest with the ``i``-th smallest, which is optimal; with three, modified LPT is within
+``4/3 - 1/(3m)`` of the optimum (Kellerer & Woeginger, "A tight bound for 3-partitioning",
+Discrete Applied Mathematics 45, 1993). For more experts per rank no a-priori ratio is claimed
+(plain LPT's ``4/3 - 1/(3m)``, Graham 1969, does not carry over as is). So each result states its
 distance from optimal, instance by instance: the optimum is at least
 
 ``LB = max(total / m, c_max + (sum of the E/m - 1 smallest other counts))``
 
 (the mean rank; and the rank that holds the largest expert holds E/m - 1 others, at least the
 smallest ones), so the placement's busiest rank is within ``gap = busiest / LB - 1`` of the
-optimum. With one expert per rank every placement is optimal (gap 0).
+optimum.
 """
 
 from __future__ import annotations

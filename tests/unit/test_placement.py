@@ -69,6 +69,22 @@ def test_the_lower_bound_is_a_bound_and_the_optimizer_is_near_it():
             assert p.busiest <= 1.10 * opt
 
 
+def test_the_stated_bounds_for_two_and_three_experts_a_rank():
+    """Two experts a rank: optimal. Three: within 4/3 - 1/(3m) of the optimum (Kellerer & Woeginger)."""
+    rng = random.Random(11)
+    for experts, ranks in ((6, 3), (8, 4), (10, 5), (9, 3), (12, 4)):
+        slots = experts // ranks
+        for _ in range(8):
+            counts = tuple(float(rng.randint(1, 30)) for _ in range(experts))
+            opt = _brute_force(counts, ranks)
+            got = optimize_layer(1, counts, ranks).busiest
+            if slots == 2:
+                assert got == opt
+            else:
+                assert got <= (4 / 3 - 1 / (3 * ranks)) * opt + 1e-9
+            assert max(rank_loads(counts, greedy(counts, ranks))) >= got  # the later steps never raise it
+
+
 def test_reaches_the_lower_bound_on_a_constructed_instance():
     """4 hot experts (400) among 128 (the rest 100) on 8 ranks: the default puts all four on rank 0
     (1.6x the mean); the optimum spreads them, one per rank on four ranks: 400 + 15 x 100 = 1900,
