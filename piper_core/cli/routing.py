@@ -107,18 +107,15 @@ def run_plan(args: argparse.Namespace) -> int:
     """The search under a routing distribution, in two passes.
 
     1. One search per expert-parallel size ``ep`` of the default space, each with every MoE layer
-       at the largest load any layer has on ep ranks under Megatron's placement (an upper bound on
-       each layer's cost and memory);
-    2. the :data:`REPRICED` leading plans re-priced exactly, each layer at its own load
-       (:func:`predict_routed`), and ranked again.
+       at the largest load any layer has on ep ranks under the placement (Megatron's, or with
+       ``--optimize-placement`` the optimizer's for that ep): an upper bound on each layer's cost
+       and memory (:func:`_search_by_ep`);
+    2. the :data:`REPRICED` leading plans (``--top`` if more) re-priced exactly, each layer at its
+       own load (:func:`predict_routed`), and ranked again.
     """
     from piper_core.cli import plan as plan_cli
     from piper_core.cli.parse import target_cluster, target_model
-    from piper_core.cli.progress import Progress
-    from piper_core.resource.routing import load_factor
-    from piper_core.scheduler.search import SearchResult, Scored, _rank_key, search
-    from piper_core.scheduler.space import default_space
-    from piper_core.timing.loaded import with_load
+    from piper_core.scheduler.search import Scored, _rank_key
 
     if args.optimize_placement and not args.routing:
         raise SpecError("--optimize-placement", True, "places experts for a routing distribution", "add --routing FILE")
@@ -130,22 +127,14 @@ def run_plan(args: argparse.Namespace) -> int:
     routing = load_routing(args.routing, model)
     if args.gpus <= 0:
         raise SpecError("--gpus", args.gpus, "must be a positive number", "give the world size, e.g. --gpus 64")
+    if not 0.0 <= args.memory_headroom < 1.0:
+        raise SpecError("--memory-headroom", args.memory_headroom, "must be in [0, 1)", "use e.g. 0.1 to keep 10 % free")
+    if args.top < 1 or (args.workers is not None and args.workers < 1):
+        raise SpecError("--top/--workers", f"{args.top}/{args.workers}", "must be at least 1", "use e.g. --top 5")
     gbs = args.gbs or plan_cli.default_gbs(model, args.gpus)
-    space = plan_cli._fp8_space(args, model, cluster) or default_space(model, cluster, args.gpus)
-    result = SearchResult()
-    placed = {ep: _placements(routing, ep, args.optimize_placement) for ep in space.ep
-              if model.num_experts % ep == 0}
-    for ep in space.ep:
-        load = max((load_factor(c, placed[ep][n]) for n, c in routing.layers), default=1.0) \
-            if ep in placed else model.moe_expert_load_skew
-        part = search(with_load(model, load), cluster, args.gpus, gbs, space=dataclasses.replace(space, ep=(ep,)),
-                      memory_headroom=args.memory_headroom, attention_backend=args.attention,
-                      progress=Progress(f"searching ep={ep}"), workers=args.workers or plan_cli.default_workers())
-        result.candidates += part.candidates
-        result.rejected.update(part.rejected)
-        result.scored += part.scored
-        result.elapsed_s += part.elapsed_s
-    routed = [predict_routed(model, cluster, s.plan, routing, placed[s.plan.ep]) for s in result.best(REPRICED)]
+    placed, result = _search_by_ep(args, model, cluster, routing, gbs)
+    repriced = result.best(max(REPRICED, args.top))
+    routed = [predict_routed(model, cluster, s.plan, routing, placed[s.plan.ep]) for s in repriced]
     order = sorted(range(len(routed)), key=lambda i: _rank_key(_scored(routed[i], Scored)))
     routed = [routed[i] for i in order]
     ranked = [_scored(r, Scored) for r in routed]
@@ -168,6 +157,32 @@ def run_plan(args: argparse.Namespace) -> int:
             print(note)
             print("\n".join(routing_lines(routed[0])))
     return 0 if best else 1
+
+
+def _search_by_ep(args: argparse.Namespace, model, cluster, routing, gbs: int):
+    """(placements per ep, the merged result of one search per ep at its busiest layer's load)."""
+    from piper_core.cli import plan as plan_cli
+    from piper_core.cli.progress import Progress
+    from piper_core.resource.routing import load_factor
+    from piper_core.scheduler.search import SearchResult, search
+    from piper_core.scheduler.space import default_space
+    from piper_core.timing.loaded import with_load
+
+    space = plan_cli._fp8_space(args, model, cluster) or default_space(model, cluster, args.gpus)
+    placed = {ep: _placements(routing, ep, args.optimize_placement) for ep in space.ep
+              if model.num_experts % ep == 0}
+    result = SearchResult()
+    for ep in space.ep:
+        load = max((load_factor(c, placed[ep][n]) for n, c in routing.layers), default=1.0) \
+            if ep in placed else model.moe_expert_load_skew
+        part = search(with_load(model, load), cluster, args.gpus, gbs, space=dataclasses.replace(space, ep=(ep,)),
+                      memory_headroom=args.memory_headroom, attention_backend=args.attention,
+                      progress=Progress(f"searching ep={ep}"), workers=args.workers or plan_cli.default_workers())
+        result.candidates += part.candidates
+        result.rejected.update(part.rejected)
+        result.scored += part.scored
+        result.elapsed_s += part.elapsed_s
+    return placed, result
 
 
 def _placements(routing, ep: int, optimized: bool) -> dict:

@@ -327,3 +327,17 @@ def test_the_skew_parameter_on_the_command_line(capsys):
     assert got == json.loads(json.dumps(want))
     assert main(ARGS + ["--expert-load-skew", "0.9"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_routing_flags_that_do_not_apply_are_refused(tmp_path, capsys):
+    path = histogram(tmp_path, {}, experts=128, default=[1] * 128)
+    assert main(ARGS + ["--placement", str(path)]) == 2
+    assert "--placement=" in capsys.readouterr().err
+    plan = ["plan", "qwen3-30b-a3b", "--cluster", "dgx-h100", "--gpus", "16"]
+    assert main(plan + ["--routing", str(path), "--export-megatron", str(tmp_path / "a.sh")]) == 2
+    assert "is not yet available with --routing" in capsys.readouterr().err
+    assert main(plan + ["--optimize-placement"]) == 2
+    assert "add --routing FILE" in capsys.readouterr().err
+    assert main(["predict", "tiny-moe", "--cluster", "cpu-local", "--gpus", "2", "--parallel", "ep=2,mbs=1,gbs=8",
+                 "--routing", str(path)]) == 2
+    assert "num_experts=128: must equal the model's num_experts (8" in capsys.readouterr().err
