@@ -11,7 +11,7 @@ from piper_core.errors import SpecError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from piper_core.cli import calibrate, capacity, plan, predict, validate
+    from piper_core.cli import calibrate, capacity, plan, predict, routing, validate
 
     parser = argparse.ArgumentParser(prog="piper", description="Resource model and planner for MoE training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_parser(sub)
     calibrate.add_parser(sub)
     validate.add_parser(sub)
+    routing.add_placement_parser(sub)
     return parser
 
 

@@ -98,6 +98,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="sequence length in tokens (default: the model's)")
     p.add_argument("--capacity-factor", metavar="F",
                    help="MoE expert capacity factor, or 'none' for dropless (default: the model's)")
+    p.add_argument("--expert-load-skew", metavar="S",
+                   help="busiest expert's tokens over the mean, >= 1 (the model's moe_expert_load_skew; default: "
+                        "the model's); a measured distribution: --routing FILE (docs/routing.md)")
 
 
 def target_model(args: argparse.Namespace) -> ModelSpec:
@@ -110,6 +113,8 @@ def target_model(args: argparse.Namespace) -> ModelSpec:
         changes["seq_length"] = _positive_int("--seq-length", args.seq_length, "write e.g. --seq-length 4096")
     if args.capacity_factor is not None:
         changes["moe_capacity_factor"] = _capacity_factor(model, args.capacity_factor)
+    if getattr(args, "expert_load_skew", None) is not None:
+        changes["moe_expert_load_skew"] = _load_skew(model, args)
     return dataclasses.replace(model, **changes) if changes else model
 
 
@@ -139,6 +144,26 @@ def _capacity_factor(model: ModelSpec, raw: str) -> float | None:
     if not (math.isfinite(value) and value > 0):
         raise SpecError("--capacity-factor", value, "must be a finite positive number (tokens per expert = cf x "
                         "tokens x topk / experts)", "write e.g. --capacity-factor 1.0, or none for dropless")
+    return value
+
+
+def _load_skew(model: ModelSpec, args: argparse.Namespace) -> float:
+    """``--expert-load-skew S``: today's scalar skew; a routing file replaces it, so not both."""
+    raw = args.expert_load_skew
+    if getattr(args, "routing", None):
+        raise SpecError("--expert-load-skew", raw, "is replaced by the distribution of --routing",
+                        "give one of --expert-load-skew and --routing")
+    if not model.is_moe:
+        raise SpecError("--expert-load-skew", raw, f"applies to MoE models; {model.name} has no routed experts",
+                        "drop --expert-load-skew")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SpecError("--expert-load-skew", raw, "must be a number (max/mean tokens per expert)",
+                        "write e.g. --expert-load-skew 2") from None
+    if not (math.isfinite(value) and value >= 1.0):
+        raise SpecError("--expert-load-skew", value, "is max/mean tokens per expert and must be >= 1",
+                        "use 1 for even routing")
     return value
 
 

@@ -12,6 +12,7 @@ from typing import TextIO
 
 from piper_core.cli.parse import add_model_args, add_target_args, target_cluster, target_model
 from piper_core.cli.progress import Progress
+from piper_core.cli.routing import add_routing_args
 from piper_core.errors import SpecError
 from piper_core.export import overlap_suffix
 from piper_core.export import plan_label as describe
@@ -45,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "blockwise", "mxfp8"),
                    help="FP8 scaling (Megatron --fp8-recipe; default delayed); needs --fp8")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_routing_args(p, placement=False)
     p.add_argument("--export-megatron", metavar="FILE", help="write Megatron-LM arguments for the best plan")
     p.add_argument("--export-deepspeed", metavar="FILE", help="write a DeepSpeed JSON config for the best plan")
     p.add_argument("--plot", metavar="DIR", help="write timeline, memory and Pareto PNGs for the best plan")
@@ -83,6 +85,9 @@ def _fp8_space(args: argparse.Namespace, model: ModelSpec, cluster) -> SearchSpa
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "routing", None) or getattr(args, "optimize_placement", False):
+        from piper_core.cli.routing import run_plan
+        return run_plan(args)
     model, cluster = target_model(args), target_cluster(args)
     if args.gpus <= 0:
         raise SpecError("--gpus", args.gpus, "must be a positive number", "give the world size, e.g. --gpus 64")

@@ -1,10 +1,13 @@
-"""``piper predict MODEL --cluster C --gpus N --parallel "..." [--seq-length N] [--capacity-factor F] [--json]``."""
+"""``piper predict MODEL --cluster C --gpus N --parallel "..." [--seq-length N] [--capacity-factor F] [--json]
+[--routing FILE [--placement FILE]]`` (routing: piper_core/cli/routing.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+from piper_core.cli.routing import add_routing_args
+from piper_core.cli.routing import run_predict as run_routed
 from piper_core.cli.parse import add_model_args, add_target_args, parse_parallel, target_cluster, target_model
 from piper_core.export import overlap_suffix
 from piper_core.resource.memory import GIB
@@ -28,12 +31,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--parallel", default="", help=HELP_PARALLEL)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_routing_args(p, placement=True)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     model, cluster = target_model(args), target_cluster(args)
     plan = parse_parallel(args.parallel, args.gpus)
+    if getattr(args, "routing", None) or getattr(args, "placement", None):
+        return run_routed(args, model, cluster, plan, overrides=overrides(args, model))
     result = predict(model, cluster, plan)
     print(json.dumps(to_json(result), indent=2) if args.json else render(result, overrides=overrides(args, model)))
     return 0
@@ -41,8 +47,10 @@ def run(args: argparse.Namespace) -> int:
 
 def overrides(args: argparse.Namespace, model) -> str:
     """``seq_length 4096, moe_capacity_factor 1.5`` for the model settings the command line set."""
-    given = (("seq_length", args.seq_length), ("moe_capacity_factor", args.capacity_factor))
-    shown = {"seq_length": model.seq_length, "moe_capacity_factor": model.moe_capacity_factor or "none (dropless)"}
+    given = (("seq_length", args.seq_length), ("moe_capacity_factor", args.capacity_factor),
+             ("moe_expert_load_skew", getattr(args, "expert_load_skew", None)))
+    shown = {"seq_length": model.seq_length, "moe_capacity_factor": model.moe_capacity_factor or "none (dropless)",
+             "moe_expert_load_skew": f"{model.moe_expert_load_skew:g}"}
     return ", ".join(f"{key} {shown[key]}" for key, raw in given if raw is not None)
 
 
