@@ -166,7 +166,7 @@ def _search_by_ep(args: argparse.Namespace, model, cluster, routing, gbs: int):
     from piper_core.resource.routing import load_factor
     from piper_core.scheduler.search import SearchResult, search
     from piper_core.scheduler.space import default_space
-    from piper_core.timing.loaded import with_load
+    from piper_core.timing.step import with_load
 
     space = plan_cli._fp8_space(args, model, cluster) or default_space(model, cluster, args.gpus)
     placed = {ep: _placements(routing, ep, args.optimize_placement) for ep in space.ep

@@ -12,7 +12,7 @@ share of the layer's tokens that ``d``'s experts take. Then, per MoE layer and m
 
 * **busiest rank**: ``d* = argmax p_d``; its experts get ``ep p_d* x T k`` token copies, ``f = ep
   p_d*`` times the mean rank's (``f = 1`` for even routing on the default placement). ``f`` is
-  what the time and memory models take (:mod:`piper_core.timing.loaded`): it sets the expert
+  what the time and memory models take (``step_time(..., loads=...)``, :mod:`piper_core.timing.step`): it sets the expert
   GEMMs, the permutation and the dropless receive buffer of the busiest rank.
 * **busiest exchange per link level**: ``d*`` receives ``T k p_d*`` from each of its ``peers_l``
   peers behind level ``l`` (:func:`piper_core.timing.topology.level_shares`). No rank sends more
@@ -54,7 +54,7 @@ from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.specs.routing import Counts, Routing, moe_layer_numbers
 from piper_core.timing.compute import element_bytes
-from piper_core.timing.loaded import loaded_step_time, with_load
+from piper_core.timing.step import step_time, with_load
 from piper_core.timing.step import throughput
 from piper_core.timing.topology import expert_groups, level_shares
 
@@ -213,7 +213,7 @@ def predict_routed(model: ModelSpec, cluster: ClusterSpec, plan: ParallelPlan, r
     loads = layer_loads(model, plan, cluster, routing, full)
     factors = {x.layer: x.rank_max_over_mean for x in loads}
     base = predict(model, cluster, plan)
-    t = loaded_step_time(model, plan, cluster, factors)
+    t = step_time(model, plan, cluster, loads=factors)
     stages = _stage_memory(model, plan, cluster, factors)
     prediction = dataclasses.replace(base, time=t, stages=stages, rate=throughput(model, plan, cluster, t))
     return RoutedPrediction(prediction=prediction, routing=routing, placements=tuple(sorted(full.items())),

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from piper_core.resource.flops import step_flops
 from piper_core.resource.params import stage_params
 from piper_core.specs.cluster import ClusterSpec
-from piper_core.specs.compat import mtp_layers, stage_kinds
+from piper_core.specs.compat import mtp_layers, stage_kinds, stage_layers
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.timing import comm
@@ -101,16 +102,23 @@ def _end_stage(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> fl
     return (1 + k) * logits + k * proj * (4 if plan.recompute == "full" else 3)
 
 
-Kinds = tuple[tuple[tuple[bool, bool], int], ...]  # ((moe, recomputed), layer count) in layer order
+Kinds = tuple[tuple[tuple, int], ...]  # ((moe, recomputed[, load]), layer count) in layer order
 
 
-def _stage_layer_kinds(model: ModelSpec, plan: ParallelPlan) -> tuple[Kinds, ...]:
+def _stage_layer_kinds(model: ModelSpec, plan: ParallelPlan, loads: Mapping[int, float] | None = None) -> tuple[Kinds, ...]:
     """Per pipeline rank: (moe, recomputed) -> layer count, in the order the layers first appear
     (full recompute with the "block" method repeats only the first n layers of each chunk), the
     MTP layers' transformer layers last (full recompute repeats them whatever the method:
-    ``MultiTokenPredictionLayer.forward``)."""
+    ``MultiTokenPredictionLayer.forward``).
+
+    ``loads`` (Megatron's 1-based ``layer_number`` -> the busiest expert-parallel rank's tokens over
+    the mean rank's, issue 17) adds each MoE layer's load to its key, (moe, recomputed, load), None
+    for dense layers; a MoE layer it does not name, MTP layers included (``layer_number`` past
+    ``num_layers``), keeps the model's ``moe_expert_load_skew``."""
     block = plan.recompute_num_layers if plan.recompute_method == "block" else None
     full = plan.recompute == "full"
+    if loads is not None:
+        return _loaded_kinds(model, plan, loads, full, block)
     key = (model, plan.pp, plan.vpp, plan.num_layers_in_first_pipeline_stage, plan.num_layers_in_last_pipeline_stage,
            plan.pipeline_layout, full, block)
     kinds = _KINDS.get(key)
@@ -123,6 +131,37 @@ def _stage_layer_kinds(model: ModelSpec, plan: ParallelPlan) -> tuple[Kinds, ...
                    + Counter({(model.mtp_is_moe, full): mtp})).items())
             for chunks, mtp in zip(stage_kinds(model, plan), mtp_layers(model, plan)))
     return kinds
+
+
+def _loaded_kinds(model: ModelSpec, plan: ParallelPlan, loads: Mapping[int, float], full: bool,
+                  block: int | None) -> tuple[Kinds, ...]:
+    pattern, skew = model.moe_layer_pattern, model.moe_expert_load_skew
+    out = []
+    for chunks, mtp in zip(stage_layers(model, plan), mtp_layers(model, plan)):
+        counts: Counter = Counter()
+        for chunk in chunks:
+            for j, index in enumerate(chunk):
+                moe = pattern[index]
+                counts[(moe, full and (block is None or j < block), loads.get(index + 1, skew) if moe else None)] += 1
+        for i in range(mtp):  # MTP layer_number: after the decoder's (MultiTokenPredictionLayer)
+            moe = model.mtp_is_moe
+            counts[(moe, full, loads.get(model.num_layers + 1 + i, skew) if moe else None)] += 1
+        out.append(tuple(counts.items()))
+    return tuple(out)
+
+
+def with_load(model: ModelSpec, load: float | None) -> ModelSpec:
+    """``model`` whose MoE layers' busiest expert-parallel rank gets ``load`` times the mean rank's
+    tokens (``moe_expert_load_skew``, which ``activations.busiest_rows`` reads; None: unchanged)."""
+    if load is None or load == model.moe_expert_load_skew:
+        return model
+    return dataclasses.replace(model, moe_expert_load_skew=load)
+
+
+def _key_cost(model: ModelSpec, shape: LayerShape, cluster: ClusterSpec, key: tuple) -> LayerCost:
+    """The cost of a layer of :func:`_stage_layer_kinds`' key (at its load, where the key has one)."""
+    moe, full = key[0], key[1]
+    return _layer(with_load(model, key[2]) if len(key) > 2 else model, shape, cluster, moe, full)
 
 
 _KINDS: dict[tuple, tuple[Kinds, ...]] = {}
@@ -172,11 +211,12 @@ def _sums(kinds: Kinds, costs: dict[tuple[bool, bool], LayerCost]) -> tuple[floa
     return compute, a2a, other
 
 
-def _stage_times(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> tuple[tuple[StageTime, ...], float]:
+def _stage_times(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec,
+                 loads: Mapping[int, float] | None = None) -> tuple[tuple[StageTime, ...], float]:
     shape = shape_of(plan)
     message = _p2p_message(model, plan, cluster)
-    stage_kinds_ = _stage_layer_kinds(model, plan)
-    costs = {key: _layer(model, shape, cluster, *key) for kinds in stage_kinds_ for key, _ in kinds}
+    stage_kinds_ = _stage_layer_kinds(model, plan, loads)
+    costs = {key: _key_cost(model, shape, cluster, key) for kinds in stage_kinds_ for key, _ in kinds}
     # per micro-batch host work (embedding, output layer and loss, the schedule's bookkeeping),
     # fitted at pp = 1; the embedding and the loss sit on the end stages, so the stages share it
     overhead = cluster.accelerator.microbatch_overhead_us * 1e-6 / plan.pp
@@ -326,13 +366,16 @@ def _pipeline(stages: tuple[StageTime, ...], m: int, vpp: int, exact: bool) -> f
     return pipeline_time(stages, m, vpp, exact=exact)
 
 
-def step_time(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, *, exact: bool = True) -> StepTime:
+def step_time(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, *, exact: bool = True,
+              loads: Mapping[int, float] | None = None) -> StepTime:
     """Predicted time of one training step and its breakdown (seconds).
 
     ``exact`` simulates the 1F1B schedule pass by pass; ``exact=False`` uses the closed form, an
     upper bound that is exact when the last stage is the slowest (the search's fast path).
+    ``loads`` prices each MoE layer at its own load (:func:`_stage_layer_kinds`; issue 17's routing
+    input, :mod:`piper_core.resource.routing`): with every load at the model's skew, the same floats.
     """
-    stages, raw = _stage_times(model, plan, cluster)
+    stages, raw = _stage_times(model, plan, cluster, loads)
     m, slow = plan.num_microbatches, max(stages, key=lambda s: s.total)
     pipeline = shared_cores(_pipeline(stages, m, plan.virtual_stages, exact), m, slow.total,
                             cluster.accelerator.core_share)

@@ -18,7 +18,7 @@ from piper_core.resource.routing import (default_placement, dropped_fraction, la
                                          load_placement, predict_routed)
 from piper_core.specs.routing import Routing, load_routing, moe_layer_numbers
 from piper_core.timing.layer import layer_cost, shape_of
-from piper_core.timing.loaded import with_load
+from piper_core.timing.step import with_load
 
 TINY = load_model("tiny-moe")  # 4 layers, 8 experts, top-2, seq 64
 QWEN = load_model("qwen3-30b-a3b")  # 48 layers, 128 experts, top-8
