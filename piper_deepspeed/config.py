@@ -28,6 +28,9 @@ Keys (the block ``piper plan --export-deepspeed`` writes loads unchanged; ``pipe
                                     # object inline, {"num_experts": E, "ep": N, "ranks": [[ids], ...]}
                                     # (docs/placement.md); its ep restricts the plan; the slots' weights
                                     # must be those experts' (builder.build_model(placement=...))
+      "routing": null,              # measured routing: a tokens-per-expert histogram file, or a list of
+                                    # --piper-trace files (docs/routing.md); the scheduler prices each
+                                    # MoE layer at its busiest rank under the placement
       "memory_headroom": 0.0,       # fraction of usable GPU memory the plan keeps free, in [0, 1);
                                     # a pinned plan over the limit is refused too
       "plan_only": false,           # true: rank 0 prints the plan, then PlanOnly (SystemExit 0)
@@ -90,6 +93,7 @@ class PiperConfig(DeepSpeedConfigModel):
     chunks: Annotated[int, Field(ge=1)] | Literal["auto", "tune"] = "auto"
     defer_wgrad: bool = False
     placement: str | dict[str, Any] | None = None
+    routing: str | list[str] | None = None
     memory_headroom: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     plan_only: bool = False
     trace: str | None = None
@@ -264,6 +268,8 @@ _RULES: dict[str, tuple[str, str]] = {
              "write it as piper plan --export-deepspeed does, or remove it to let Piper search"),
     "placement": ("must be the path of a placement JSON file or the placement object itself",
                   'write e.g. "placement": "placement.json" or {"num_experts": 4, "ep": 2, "ranks": [[1, 0], [3, 2]]}'),
+    "routing": ("must be the path of a routing file or a list of --piper-trace files",
+                'write e.g. "routing": "routing.yaml" (docs/routing.md)'),
     "predicted": ("must be a mapping of numbers (informational, written by piper plan)", "remove the key"),
     "plan.recompute": ("must be one of none, selective, full", 'write e.g. "recompute": "none"'),
     "plan.mbs": ("is required and must be an int >= 1 (micro-batch size)", 'write e.g. "mbs": 1'),

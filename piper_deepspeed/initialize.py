@@ -54,11 +54,14 @@ from piper_core.resource.predict import Prediction, predict, to_json
 from piper_core.runtime import NodeTopology
 from piper_core.runtime.autochunks import ADAPTER_TUNING
 from piper_core.runners import deepspeed_piper, with_grouped_gemm
+from piper_core.resource.routing import predict_routed
+from piper_core.scheduler.routed import reprice, search_by_ep
 from piper_core.scheduler.search import Scored, SearchResult, best_predictions, search
 from piper_core.scheduler.space import UNPIPELINED, SearchSpace, default_space
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
+from piper_core.specs.routing import load_routing
 from piper_core.timing.step import step_time
 from piper_deepspeed.builder import MODEL_SPEC_ATTR
 from piper_deepspeed.config import BLOCK, PiperConfig, read_block
@@ -195,17 +198,36 @@ def plan_for(config: Mapping[str, Any] | str, world_size: int, *, pipeline: bool
     gbs = global_batch(raw, world_size, stages or 1)
     cluster = with_grouped_gemm(block.cluster_spec(), False)  # DeepSpeed's experts run one GEMM each
     precision = planned_precision(raw)
+    routing = _routing(block, spec)
+    notes = block.notes
     if block.plan is not None:
         best, result = _pinned(block, spec, cluster, world_size, gbs, pipeline=pipeline, min_stage=user_stage,
                                precision=precision), None
+        if routing is not None:
+            best = predict_routed(spec, cluster, best.plan, routing, _routed_placements(block, routing)).prediction
         top = (best,)
     else:
         space = deepspeed_space(block, spec, cluster, world_size, pipeline=pipeline, min_stage=user_stage,
                                 precision=precision)
         space = _placement_ep(block, spec, space)
-        result = search(spec, cluster, world_size, gbs, space=space, memory_headroom=block.memory_headroom)
+        if routing is None:
+            result = search(spec, cluster, world_size, gbs, space=space, memory_headroom=block.memory_headroom)
+        else:
+            placed, result = search_by_ep(spec, cluster, world_size, gbs, routing, space=space,
+                                          memory_headroom=block.memory_headroom)
+            fixed = _routed_placements(block, routing)
+            if fixed is not None:
+                placed = {ep: fixed for ep in placed}
         result.scored = _without_shared_overlap(spec, cluster, result.scored)
-        top = tuple(p for p in best_predictions(spec, cluster, result, TOP) if deepspeed_piper(p.plan) is None)
+        if routing is None:
+            predictions = best_predictions(spec, cluster, result, TOP)
+        else:
+            runnable = [s for s in result.scored if deepspeed_piper(s.plan) is None]
+            predictions = [r.prediction for r in reprice(spec, cluster, routing, placed,
+                                                         dataclasses.replace(result, scored=runnable))][:TOP]
+            notes += (f"{BLOCK}.routing {routing.source}: every ep searched at its busiest MoE layer's load, the "
+                      "leading plans re-priced layer by layer",)
+        top = tuple(p for p in predictions if deepspeed_piper(p.plan) is None)
         if not top:
             rejected = ", ".join(f"{n} {why}" for why, n in result.rejected.most_common()) or "none"
             request = block.requested_exchange
@@ -222,7 +244,24 @@ def plan_for(config: Mapping[str, Any] | str, world_size: int, *, pipeline: bool
         block.checked_placement(num_experts=spec.num_experts, ep=best.plan.ep)
     stage = max(user_stage, 1 if best.plan.distributed_optimizer else 0)
     return PlanChoice(prediction=best, search=result, top=top, world_size=world_size, global_batch=gbs,
-                      zero_stage=stage, user_zero_stage=user_stage, pipeline=pipeline, notes=block.notes)
+                      zero_stage=stage, user_zero_stage=user_stage, pipeline=pipeline, notes=notes)
+
+
+def _routing(block: PiperConfig, model: ModelSpec) -> Any:
+    """The block's ``routing`` read for ``model`` (None without one); errors name ``piper.routing``."""
+    if block.routing is None:
+        return None
+    paths = [block.routing] if isinstance(block.routing, str) else list(block.routing)
+    try:
+        return load_routing(paths, model)
+    except SpecError as exc:
+        raise SpecError(f"{BLOCK}.routing", exc.value, exc.rule, exc.fix, where=exc.where) from None
+
+
+def _routed_placements(block: PiperConfig, routing: Any) -> dict | None:
+    """The block's placement for every MoE layer of ``routing`` (None without one: Megatron's contiguous)."""
+    placement = block.expert_placement()
+    return None if placement is None else {n: placement.ranks for n, _ in routing.layers}
 
 
 def _without_shared_overlap(model: ModelSpec, cluster: ClusterSpec, scored: list[Scored]) -> list[Scored]:

@@ -53,7 +53,9 @@ class PiperOptions:
     (``--piper-off``): Megatron switches the plan must leave off (:data:`piper_megatron.pins.OFF_NAMES`);
     ``defer_wgrad`` (``--piper-defer-wgrad``): plans with ep > 1 defer the experts' weight gradients;
     ``placement`` (``--piper-placement``): the JSON file placing each logical expert in a physical slot
-    (:mod:`piper_core.runtime.placement`; read and checked against the plan by ``install.plan_job``)."""
+    (:mod:`piper_core.runtime.placement`; read and checked against the plan by ``install.plan_job``);
+    ``routing`` (``--piper-routing``): tokens per expert per MoE layer, a histogram or ``--piper-trace``
+    files (:mod:`piper_core.specs.routing`): the scheduler prices each MoE layer at its measured load."""
 
     enabled: bool
     cluster: str | None = None
@@ -69,6 +71,7 @@ class PiperOptions:
     off: tuple[str, ...] = ()
     defer_wgrad: bool = False
     placement: Path | None = None
+    routing: tuple[Path, ...] = ()
 
 
 def _chunks(text: str) -> int | str | None:
@@ -116,6 +119,10 @@ def add_piper_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="expert placement JSON ({\"num_experts\": E, \"ep\": N, \"ranks\": [[logical expert ids "
                             "of rank 0], ...]}): the dispatcher sends each logical expert's tokens to its slot; the "
                             "slots' weights must be those experts' (docs/placement.md)")
+    group.add_argument("--piper-routing", type=Path, nargs="+", metavar="FILE",
+                       help="measured routing (a tokens-per-expert histogram per MoE layer, or this job's "
+                            "--piper-trace files): the scheduler prices each MoE layer at its busiest rank under the "
+                            "placement (--piper-placement, else Megatron's contiguous one; docs/routing.md)")
     group.add_argument("--piper-plan-only", action="store_true", help="print the plan and exit")
     group.add_argument("--piper-trace", type=Path, metavar="FILE",
                        help="write per-layer, per-rank dispatch/expert/combine times as JSON lines")
@@ -156,13 +163,15 @@ def piper_options(ns: argparse.Namespace) -> PiperOptions:
                            trace=getattr(ns, "piper_trace", None), world_size=getattr(ns, "piper_world_size", None),
                            off=off_names(getattr(ns, "piper_off", None)),
                            defer_wgrad=bool(getattr(ns, "piper_defer_wgrad", False)),
-                           placement=getattr(ns, "piper_placement", None))
+                           placement=getattr(ns, "piper_placement", None),
+                           routing=tuple(getattr(ns, "piper_routing", None) or ()))
     given = [flag for flag, on in (("--piper-cluster", options.cluster), ("--piper-profile", options.profile),
                                    ("--piper-a2a", given_a2a != "auto"), ("--piper-chunks", given_chunks),
                                    ("--piper-plan-only", options.plan_only), ("--piper-trace", options.trace),
                                    ("--piper-world-size", options.world_size),
                                    ("--piper-defer-wgrad", options.defer_wgrad),
                                    ("--piper-placement", options.placement),
+                                   ("--piper-routing", options.routing),
                                    ("--piper-off", getattr(ns, "piper_off", None))) if on]
     if given and not options.enabled:
         raise SpecError(given[0], "given", "Piper's flags act only together with --piper (without it nothing of "

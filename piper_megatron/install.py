@@ -45,10 +45,12 @@ from piper_core.calibrate.profile import load_profile
 from piper_core.presets import load_cluster
 from piper_core.resource.predict import Prediction
 from piper_core.runners import with_grouped_gemm
+from piper_core.scheduler.routed import reprice, search_by_ep
 from piper_core.scheduler.search import RETIME, SearchResult, best_predictions, search
 from piper_core.scheduler.space import SearchSpace, default_space
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
+from piper_core.specs.routing import load_routing
 from piper_core.timing.step import step_time
 from piper_megatron.args import (
     Change,
@@ -181,7 +183,14 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
     if resume is not None:
         space = narrow(space, resume, model, pins, world_size=world_size, gbs=gbs, attention=_attention(ns))
         notes.append(resume.note(cluster.name))
-    result = search(model, cluster, world_size, gbs, space=space, attention_backend=_attention(ns))
+    routing = _routing(options, model)
+    if routing is None:
+        result = search(model, cluster, world_size, gbs, space=space, attention_backend=_attention(ns))
+    else:
+        placed, result = search_by_ep(model, cluster, world_size, gbs, routing, space=space,
+                                      attention_backend=_attention(ns))
+        if placement is not None:
+            placed = {placement.ep: {n: placement.ranks for n, _ in routing.layers}}
     if model.moe_shared_expert_intermediate_size and not SHARED_EXPERT_OVERLAP:
         _without_shared_overlap(model, cluster, result)
         notes.append(SHARED_NOTE)
@@ -189,13 +198,29 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
     if len(kept) < len(result.scored):
         result.rejected["breaks a pinned pipeline split"] += len(result.scored) - len(kept)
         result.scored = kept
-    best = tuple(best_predictions(model, cluster, result, TOP))
+    if routing is None:
+        best = tuple(best_predictions(model, cluster, result, TOP))
+    else:
+        best = tuple(r.prediction for r in reprice(model, cluster, routing, placed, result)[:TOP])
+        notes.append(f"--piper-routing {routing.source}: every ep searched at its busiest MoE layer's load, the "
+                     f"leading plans re-priced layer by layer; experts placed "
+                     + ("as --piper-placement says" if placement is not None else "as Megatron does (contiguous)"))
     if not best:
         hint = resume.hint() if resume is not None else ""
         raise Infeasible(_no_plan(model, cluster, world_size, gbs, pins, result) + hint, rule="no feasible plan")
     check_save(ns, resume, model, best[0].plan)
     return Planned(model=model, cluster=cluster, gpus=world_size, gbs=gbs, pins=pins, result=result, best=best,
                    notes=tuple(notes + _pin_notes(pins)), placement=placement)
+
+
+def _routing(options: PiperOptions, model: ModelSpec) -> Any:
+    """``--piper-routing``'s Routing (None without the flag), checked against the model."""
+    if not options.routing:
+        return None
+    if not model.is_moe:
+        raise SpecError("--piper-routing", " ".join(map(str, options.routing)), "routes tokens to experts, and this "
+                        "model has none", "drop --piper-routing, or add --num-experts")
+    return load_routing([str(p) for p in options.routing], model)
 
 
 def _placement(options: PiperOptions, model: ModelSpec, eps: Sequence[int]) -> Any:
@@ -412,11 +437,8 @@ class Installation:
             print(f"piper: plan recorded in {path} (a run with --load {args.save} resumes with it)", file=self._out,
                   flush=True)
         if self.planned.model.is_moe:
-            self.hook_model_parallel(DispatchRequest(
-                a2a=plan.a2a, chunks=plan.a2a_chunks, tune=options.tune, defer_wgrad=plan.defer_wgrad,
-                ranks_per_node=self.planned.cluster.exchange_domain_ranks(_ranks_per_node()),
-                timeout_minutes=getattr(args, "distributed_timeout_minutes", 10), trace=options.trace,
-                placement=self.planned.placement))
+            self.hook_model_parallel(dispatch_request(self.planned, options,
+                                                      getattr(args, "distributed_timeout_minutes", 10)))
 
     def _record(self, args: Any) -> PlanRecord:
         """The plan's record, with the values ``args`` now holds for every setting Piper owns."""
@@ -494,6 +516,17 @@ def _import_error(exc: ImportError) -> SpecError:
     return SpecError("megatron.training", "not importable", f"importing megatron.training.arguments failed: {exc}",
                      "use a Megatron-LM checkout that matches megatron-core and this Python (0.17 and later need "
                      "Python 3.12)")
+
+
+def dispatch_request(planned: Planned, options: PiperOptions, timeout_minutes: int) -> DispatchRequest:
+    """What the dispatcher of ``planned``'s best plan is installed with: its exchange, the ranks of one
+    exchange domain (a node's, or the NVLink domain's where it spans nodes, as on GB200 NVL72:
+    :meth:`~piper_core.specs.cluster.ClusterSpec.exchange_domain_ranks` of the launcher's
+    LOCAL_WORLD_SIZE), the collective timeout, the trace path and the placement."""
+    plan = planned.top.plan
+    return DispatchRequest(a2a=plan.a2a, chunks=plan.a2a_chunks, tune=options.tune, defer_wgrad=plan.defer_wgrad,
+                           ranks_per_node=planned.cluster.exchange_domain_ranks(_ranks_per_node()),
+                           timeout_minutes=timeout_minutes, trace=options.trace, placement=planned.placement)
 
 
 def _ranks_per_node() -> int | None:

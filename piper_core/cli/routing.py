@@ -100,9 +100,6 @@ def run_predict(args: argparse.Namespace, model, cluster, plan, *, overrides: st
 
 # ---- piper plan --routing --------------------------------------------------------------------------
 
-REPRICED = 20
-
-
 def run_plan(args: argparse.Namespace) -> int:
     """The search under a routing distribution, in two passes.
 
@@ -115,7 +112,7 @@ def run_plan(args: argparse.Namespace) -> int:
     """
     from piper_core.cli import plan as plan_cli
     from piper_core.cli.parse import target_cluster, target_model
-    from piper_core.scheduler.search import Scored, _rank_key
+    from piper_core.scheduler.routed import REPRICED, reprice, scored
 
     if args.optimize_placement and not args.routing:
         raise SpecError("--optimize-placement", True, "places experts for a routing distribution", "add --routing FILE")
@@ -133,11 +130,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise SpecError("--top/--workers", f"{args.top}/{args.workers}", "must be at least 1", "use e.g. --top 5")
     gbs = args.gbs or plan_cli.default_gbs(model, args.gpus)
     placed, result = _search_by_ep(args, model, cluster, routing, gbs)
-    repriced = result.best(max(REPRICED, args.top))
-    routed = [predict_routed(model, cluster, s.plan, routing, placed[s.plan.ep]) for s in repriced]
-    order = sorted(range(len(routed)), key=lambda i: _rank_key(_scored(routed[i], Scored)))
-    routed = [routed[i] for i in order]
-    ranked = [_scored(r, Scored) for r in routed]
+    routed = reprice(model, cluster, routing, placed, result, max(REPRICED, args.top))
+    ranked = [scored(r) for r in routed]
     leading = [r.prediction for r in routed]
     best = leading[:args.top]
     note = (f"routing: searched each ep at its busiest layer's load, then re-priced the {len(routed)} leading "
@@ -163,40 +157,13 @@ def _search_by_ep(args: argparse.Namespace, model, cluster, routing, gbs: int):
     """(placements per ep, the merged result of one search per ep at its busiest layer's load)."""
     from piper_core.cli import plan as plan_cli
     from piper_core.cli.progress import Progress
-    from piper_core.resource.routing import load_factor
-    from piper_core.scheduler.search import SearchResult, search
+    from piper_core.scheduler.routed import search_by_ep
     from piper_core.scheduler.space import default_space
-    from piper_core.timing.step import with_load
 
     space = plan_cli._fp8_space(args, model, cluster) or default_space(model, cluster, args.gpus)
-    placed = {ep: _placements(routing, ep, args.optimize_placement) for ep in space.ep
-              if model.num_experts % ep == 0}
-    result = SearchResult()
-    for ep in space.ep:
-        load = max((load_factor(c, placed[ep][n]) for n, c in routing.layers), default=1.0) \
-            if ep in placed else model.moe_expert_load_skew
-        part = search(with_load(model, load), cluster, args.gpus, gbs, space=dataclasses.replace(space, ep=(ep,)),
-                      memory_headroom=args.memory_headroom, attention_backend=args.attention,
-                      progress=Progress(f"searching ep={ep}"), workers=args.workers or plan_cli.default_workers())
-        result.candidates += part.candidates
-        result.rejected.update(part.rejected)
-        result.scored += part.scored
-        result.elapsed_s += part.elapsed_s
-    return placed, result
-
-
-def _placements(routing, ep: int, optimized: bool) -> dict:
-    """layer_number -> placement on ``ep`` ranks: the optimizer's, or Megatron's default."""
-    if optimized:
-        from piper_core.scheduler.placement import optimize
-        return {p.layer: p.placement for p in optimize(routing, ep)}
-    default = default_placement(routing.num_experts, ep)
-    return {n: default for n, _ in routing.layers}
-
-
-def _scored(r: RoutedPrediction, cls):
-    p = r.prediction
-    return cls(plan=p.plan, step_s=p.time.step, peak_bytes=p.peak_stage.total)
+    return search_by_ep(model, cluster, args.gpus, gbs, routing, space=space, optimize_placement=args.optimize_placement,
+                        progress=lambda ep: Progress(f"searching ep={ep}"), memory_headroom=args.memory_headroom,
+                        attention_backend=args.attention, workers=args.workers or plan_cli.default_workers())
 
 
 # ---- piper placement -------------------------------------------------------------------------------

@@ -279,3 +279,34 @@ def test_a_wrong_placement_is_refused_naming_the_key(tmp_path, placement, block,
         placement = str(path)
     with pytest.raises(SpecError, match=match):
         _plan(placement, **block)
+
+
+# ---- "routing" in the block: the scheduler prices the measured load --------------------------------
+
+def _routing_file(tmp_path, counts) -> str:
+    path = tmp_path / "routing.json"
+    path.write_text(json.dumps({"num_experts": len(counts), "default": counts}))
+    return str(path)
+
+
+def test_the_block_routing_prices_the_measured_load(tmp_path):
+    """Experts 0 and 1 (rank 0's under DeepSpeed's contiguous placement at ep 4) take 4x the others'
+    tokens: the pinned plan is predicted slower than under even routing (busiest rank 800 of a mean
+    350 tokens), and a placement that gives them a rank each (busiest 500) faster than that."""
+    hot = _routing_file(tmp_path, [400, 400] + [100] * 6)
+    pin = {"plan": {"ep": 4, "mbs": 1}}
+    even = _plan(None, **pin)
+    skewed = _plan(None, routing=hot, **pin)
+    assert skewed.prediction.time.step > 1.2 * even.prediction.time.step
+    assert any("piper.routing" in n for n in skewed.notes) or skewed.search is None
+    spread = _plan({"num_experts": 8, "ep": 4, "ranks": [[0, 2], [1, 3], [4, 5], [6, 7]]}, routing=hot, **pin)
+    assert even.prediction.time.step < spread.prediction.time.step < skewed.prediction.time.step
+    searched = _plan(None, routing=hot)
+    assert searched.search is not None and any("piper.routing" in n for n in searched.notes)
+
+
+def test_a_wrong_routing_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(SpecError, match=r"routing\.json: piper\.routing=4: must equal the model's num_experts \(8"):
+        _plan(None, routing=_routing_file(tmp_path, [1, 2, 3, 4]))
+    with pytest.raises(SpecError, match=r"^piper\.routing="):
+        _plan(None, routing=str(tmp_path / "missing.yaml"))

@@ -643,3 +643,53 @@ def test_the_experts_are_priced_as_the_command_line_runs_them():
     assert grouped.top.plan.grouped_gemm_on(grouped.cluster.accelerator)
     with pytest.raises(SpecError, match=r"--moe-grouped-gemm=True: --piper-defer-wgrad splits .* drop --moe-grouped-gemm"):
         planned(SWITCH + PIPER + ["--moe-grouped-gemm", "--piper-defer-wgrad"], world=1024)
+
+
+# ---- --piper-routing ------------------------------------------------------------------------------
+
+def test_piper_routing_prices_the_measured_load(tmp_path):
+    """A measured routing that sends 4x the mean to four experts (one rank's under Megatron's
+    contiguous placement): the plan's predicted step grows, the plan says why, and the same routing
+    with a placement that spreads those experts is predicted faster."""
+    import yaml
+
+    hot = [400] * 4 + [100] * 12
+    path = tmp_path / "routing.yaml"
+    path.write_text(yaml.safe_dump({"num_experts": 16, "default": hot}))
+    pinned = PIPER + BASE + ["--expert-model-parallel-size", "4"]
+    even = planned(pinned)
+    skewed = planned(pinned + ["--piper-routing", str(path)])
+    assert skewed.best[0].time.step > 1.2 * even.best[0].time.step
+    assert any(n.startswith(f"--piper-routing {path}") for n in skewed.notes)
+    spread = tmp_path / "placement.json"
+    spread.write_text(json.dumps({"num_experts": 16, "ep": 4, "ranks": [[0, 4, 5, 6], [1, 7, 8, 9], [2, 10, 11, 12],
+                                                                        [3, 13, 14, 15]]}))
+    placed = planned(pinned + ["--piper-routing", str(path), "--piper-placement", str(spread)])
+    assert placed.best[0].time.step < skewed.best[0].time.step
+    assert placed.best[0].time.step == pytest.approx(even.best[0].time.step, rel=0.02)
+
+
+def test_piper_routing_errors_name_the_flag(tmp_path):
+    path = tmp_path / "routing.yaml"
+    path.write_text("num_experts: 8\ndefault: [1, 1, 1, 1, 1, 1, 1, 1]\n")
+    with pytest.raises(SpecError, match="num_experts"):
+        planned(PIPER + BASE + ["--piper-routing", str(path)])
+    with pytest.raises(SpecError, match="--piper-routing.*only together with --piper"):
+        parse_piper_options(BASE + ["--piper-routing", str(path)])
+
+
+# ---- the dispatcher's exchange domain --------------------------------------------------------------
+
+@pytest.mark.parametrize("cluster, local, domain", [("gb200-nvl72", "4", 64), ("dgx-h100", "8", 8), ("gb200-nvl72", "", 64)])
+def test_the_dispatcher_exchanges_within_the_nvlink_domain(monkeypatch, cluster, local, domain):
+    """On GB200 NVL72 torchrun starts 4 ranks per compute tray (LOCAL_WORLD_SIZE=4), yet 64 of them
+    share one NVLink domain: the hierarchical exchange's fast stage spans the domain, as the plan
+    priced it (ClusterSpec.exchange_domain_ranks); on DGX H100 the domain is the node."""
+    from piper_megatron.install import dispatch_request
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    argv = ["--piper", "--piper-cluster", cluster] + BASE + ["--expert-model-parallel-size", "16"]
+    planned_job = planned(argv, world=128)
+    request = dispatch_request(planned_job, parse_piper_options(argv), 7)
+    assert request.ranks_per_node == domain and request.timeout_minutes == 7
+    assert (request.a2a, request.chunks) == (planned_job.top.plan.a2a, planned_job.top.plan.a2a_chunks)
