@@ -112,7 +112,16 @@ def balanced_layout(num_layers: int, pp: int, vpp: int, mtp_num_layers: int = 0,
     layer; a loss lighter than a layer weighs one), then to the lower ranks. Within a rank the layers
     go one at a time to its lightest virtual stage.
     For DeepSeek-V3 at pp 8 x vpp 4 with FLOP weights this is Megatron-Bridge's own layout.
-    None when a stage other than the first and the last would hold no layer."""
+    When those weights would leave a stage other than the first and the last without a layer (a
+    loss many layers heavy on a rank with few layers), the loss and the MTP layers weigh one layer
+    each instead; None when even that leaves one empty."""
+    out = _rank_balanced(num_layers, pp, vpp, mtp_num_layers, loss, mtp)
+    if out is None and (loss, mtp) != (1.0, 1.0):
+        out = _rank_balanced(num_layers, pp, vpp, mtp_num_layers, 1.0, 1.0)
+    return out
+
+
+def _rank_balanced(num_layers: int, pp: int, vpp: int, mtp_num_layers: int, loss: float, mtp: float) -> str | None:
     stages = pp * vpp
     fixed = [0.0] * pp
     slack = [0.0] * pp  # weight of the rank's fixed work above its time

@@ -149,3 +149,12 @@ def test_piper_refuses_a_layout_on_the_command_line(argv):
     options = parse_piper_options(["--piper", *rest])
     with pytest.raises(SpecError, match=r"--pipeline-model-parallel-layout='Et\*2\|.*cannot be pinned yet; drop it"):
         pins_from(rest, options)
+
+
+def test_a_heavy_loss_falls_back_to_one_layer_rather_than_an_empty_stage():
+    """Weighed by FLOPs, a loss several layers heavy would leave the last rank's first virtual stages
+    empty; the layout then weighs it as one layer (Megatron's account-for-loss), keeping the plan."""
+    heavy = balanced_layout(26, 4, 4, loss=6.0)
+    assert heavy == balanced_layout(26, 4, 4)
+    assert all(decoder_counts(parse_layout(heavy))[1:-1])
+    assert balanced_layout(61, 8, 4, 1, loss=1.39, mtp=2.54) != balanced_layout(61, 8, 4, 1)
