@@ -72,8 +72,8 @@ def ds_config(job: TrainJob) -> dict[str, Any]:
                         "the Megatron-Core trainer")
     if job.router_bias or job.placement is not None or job.trace_dir is not None:
         raise SpecError("router_bias" if job.router_bias else "placement" if job.placement is not None else "trace_dir",
-                        "set", "the DeepSpeed trainer runs no skewed router, placement or kept trace (the Megatron-Core "
-                        "trainer does: python -m piper_core.bench.placement)",
+                        "set", "the DeepSpeed trainer runs no skewed router, placement or kept trace (the "
+                        "Megatron-Core trainer does: python -m piper_core.bench.placement)",
                         "train the job with the Megatron-Core trainer, or drop the field")
     if plan.precision not in ("bf16", "fp32"):
         raise SpecError("precision", plan.precision, "the DeepSpeed trainer runs bf16 mixed precision and fp32 "

@@ -100,7 +100,8 @@ def plot_loads(results: dict[str, Any], path: Path) -> Path | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m piper_core.bench.placement_report", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m piper_core.bench.placement_report",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("results", type=Path)
     p.add_argument("--plot", type=Path, help="write the load plot here")
     a = p.parse_args(argv)
