@@ -28,7 +28,9 @@ def _case_report(entry: dict[str, Any]) -> list[str]:
         return lines
     placement = declared["placement"]
     lines.append(f"placement (declared before the runs): {placement['ranks']} ({placement['moved']} experts moved; "
-                 f"gap to the lower bound {placement['gap']:.1%}); cluster {declared['cluster']}")
+                 f"sum of the layers' busiest ranks {placement['default_objective']:.0f} -> "
+                 f"{placement['objective']:.0f}, gap to the lower bound {placement['gap']:.1%}); "
+                 f"cluster {declared['cluster']}")
     if "table" not in summary:
         lines.append("not summarised: the rounds did not finish")
         return lines

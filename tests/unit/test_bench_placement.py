@@ -1,7 +1,7 @@
 """The placement benchmark's arithmetic (piper_core/bench/placement.py), without training: the case
 and skew arguments, the verdict (a failed run or unequal losses fail it; at a busiest rank of 2x the
-mean the optimised placement must cut the step by 15 %; below, no target), and the placement chosen
-on the histogram summed over layers."""
+mean the optimised placement must cut the step by 15 %; below, no target), and the one placement
+chosen for every layer."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from piper_core.bench.placement import (
 )
 from piper_core.specs.routing import Routing
 
-DECLARED = {"predicted_s": {"stock": 1.0, "piper-default": 1.0, "piper-optimized": 0.7}, "predicted_even_s": 0.6}
+DECLARED = {"router_bias": {"0": 0.3}, "predicted_s": {"stock": 1.0, "piper-default": 1.0, "piper-optimized": 0.7},
+            "predicted_even_s": 0.6}
 
 
 def _run(variant, step, losses=(5.0, 4.9), tokens=None, error=None):
@@ -45,7 +46,8 @@ def test_cases_and_skew_parse_with_clear_errors():
     with pytest.raises(ValueError, match="no case"):
         parse_cases("", "", 1000.0)
     assert parse_skew("0:0.5,3:-1") == {0: 0.5, 3: -1.0}
-    for bad in ("0:x", "a:1", "0:1,0:2", "0"):
+    assert parse_skew("none") == {}
+    for bad in ("0:x", "a:1", "0:1,0:2", "0", ""):
         with pytest.raises(ValueError, match="EXPERT:BIAS"):
             parse_skew(bad)
     assert estimate_s([Case(nodes=1, ranks_per_node=2)], 5, per_run_s=10.0) == 160.0
@@ -66,6 +68,13 @@ def test_below_2x_there_is_no_target():
     assert v["met"] is None and "no target" in v["target"]
 
 
+def test_without_a_router_bias_the_optimised_placement_may_cost_2_percent():
+    even = DECLARED | {"router_bias": {}}
+    assert summarize(even, _runs(optimized=1.019, before=(300, 300, 200, 200)))["verdict"]["met"] is True
+    v = summarize(even, _runs(optimized=1.03, before=(300, 300, 200, 200)))["verdict"]
+    assert v["met"] is False and "even load" in v["target"]
+
+
 def test_a_failed_run_or_unequal_losses_fail_the_verdict():
     v = summarize(DECLARED, _runs(error="RankFailure: rank 1 died"))["verdict"]
     assert v["met"] is False and v["failed_runs"] == 1
@@ -73,10 +82,10 @@ def test_a_failed_run_or_unequal_losses_fail_the_verdict():
     assert v["met"] is False and v["losses_equal"] is False and v["loss_max_rel_diff"] == pytest.approx(0.1 / 4.9)
 
 
-def test_the_placement_balances_the_histogram_summed_over_layers():
+def test_the_placement_puts_each_layers_hot_experts_apart():
     routing = Routing(num_experts=8, layers=((1, (40, 30, 5, 5, 5, 5, 5, 5)), (2, (30, 40, 5, 5, 5, 5, 5, 5))))
     placement, chosen = choose_placement(routing, 4)
     assert placement.ep == 4 and sorted(placement.logical_at) == list(range(8))
     rank_of = {e: r for r, experts in enumerate(placement.ranks) for e in experts}
     assert rank_of[0] != rank_of[1]  # the two hot experts apart
-    assert chosen.rank_max_over_mean < chosen.default_rank_max_over_mean
+    assert chosen.objective < chosen.default_objective and chosen.placement == placement.ranks
