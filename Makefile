@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 # disturb their timings
 REALTIME := $(if $(filter 0,$(shell id -u)),--realtime,)
 
-.PHONY: install run calibrate validate validate-fp32 validate-fp32-repeat validate-scheduler test test-unit test-browser browser test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e clean
+.PHONY: install run calibrate validate validate-fp32 validate-fp32-repeat validate-scheduler test test-unit test-browser browser test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e bench-placement clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -105,6 +105,15 @@ else
 	  $(PY) -m piper_core.bench.e2e --frameworks $$1 --workloads $$2 --topologies $$5 --mbits $$3 --rounds 5 \
 	    --timed-steps $$4 --profiles $(E2E_PROFILES) --json docs/e2e/$$1-$$5-$${3}mbit-$$2-$${4}steps.json; done
 endif
+
+# Expert placement under a skewed router (issue 17; docs/placement-bench.md): dropless Megatron-Core
+# training on 2 and 4 local ranks and the emulated 2 nodes x 2 ranks (root), Piper's default placement
+# vs the optimiser's for the routing a first run measures, stock Megatron as the baseline, 5 rounds
+# (~45 min on 2 cores, calibrations included). PLACEMENT_ARGS replaces the arguments, e.g.
+# PLACEMENT_ARGS="--ranks 4 --rounds 1 --json /tmp/placement.json".
+PLACEMENT_ARGS ?= --ranks 2,4 --emulate 2x2 --rounds 5 --json docs/placement-bench/results.json
+bench-placement: install
+	$(PY) -m piper_core.bench.placement $(PLACEMENT_ARGS) $(REALTIME)
 
 # Every tier runs on its own so that a tier collecting no test fails the run (pytest exit 5).
 test: install test-unit test-browser test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed

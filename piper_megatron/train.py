@@ -50,6 +50,20 @@ def _phases(trace: Path) -> dict[str, float]:
     return {p: sum(r[f"{p}_ms"] for r in records) for p in PHASES} | {"calls": len(records)}
 
 
+def _expert_tokens(trace: Path) -> dict[str, dict[str, Any]]:
+    """Per MoE layer (Megatron's layer_number, as a string key): this rank's first physical slot and
+    the tokens each of its slots received over the timed steps' forward calls (with a placement,
+    slots hold the placement's logical experts: ``ExpertPlacement.logical_at``)."""
+    from piper_megatron.trace import read_trace
+
+    out: dict[str, dict[str, Any]] = {}
+    for r in read_trace(trace) if trace.exists() else []:
+        layer = out.setdefault(str(r["layer"]), {"first_expert": r["first_expert"],
+                                                 "tokens": [0] * len(r["tokens_per_expert"])})
+        layer["tokens"] = [a + b for a, b in zip(layer["tokens"], r["tokens_per_expert"])]
+    return out
+
+
 # ---- rank side ------------------------------------------------------------------------------------
 
 class MixedPrecisionAdam:
@@ -171,18 +185,20 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path, tensors: Any
                                              virtual_pipeline_model_parallel_size=plan.vpp,
                                              expert_model_parallel_size=plan.ep,
                                              expert_tensor_parallel_size=plan.etp_size)
-    patches, tracer = None, None
+    patches, tracer, comm = None, None, None
     try:
         if model.is_moe and not job.stock:
             comm = create_ep_comm(NodeTopology.uniform(world_size=world, ranks_per_node=ranks_per_node))
             tracer = Tracer(trace_dir / f"trace.rank{rank}.jsonl", rank=rank)
             patches = install_dispatcher(comm, DispatchSettings.from_plan(plan.a2a, plan.a2a_chunks, tune=job.tune,
-                                                                         defer_wgrad=plan.defer_wgrad),
+                                                                         defer_wgrad=plan.defer_wgrad,
+                                                                         placement=job.placement),
                                          tracer=tracer)
         tensor_parallel.model_parallel_cuda_manual_seed(job.seed)
         torch.manual_seed(job.seed)
         chunks = gpt_model_chunks(model, plan, device="cpu", **_config_overrides())  # one per virtual stage
         gpt = chunks[0]
+        _uneven(job, chunks, comm)
         # overlap_grad_reduce as --piper sets it and the step-time model assumes (one bucket exposed);
         # without sync_grads neither the hooks nor finalize_model_grads reduce anything. Per model
         # chunk as megatron.training builds them (get_model: bucketing only in the first chunk; the
@@ -250,6 +266,7 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path, tensors: Any
         if tracer is not None:
             tracer.close()
         phases = _phases(trace_dir / f"trace.rank{rank}.jsonl")
+        expert_tokens = _expert_tokens(trace_dir / f"trace.rank{rank}.jsonl")
         forward = []
         for _ in range(job.forward_steps):
             dist.barrier()
@@ -267,7 +284,7 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path, tensors: Any
                 "step_s": steps, "step_median_s": median(steps[job.warmup:]), "losses": losses,
                 "forward_s": forward,
                 "params": params, "param_bytes": sum(p.numel() * p.element_size() for p in weights),
-                "activation_peak_bytes": peak, "moe_phases_ms_per_step": per_step,
+                "activation_peak_bytes": peak, "moe_phases_ms_per_step": per_step, "expert_tokens": expert_tokens,
                 # Megatron's global memory buffer (unfused attention's baddbmm input): activations.workspace_bytes
                 "optimizer": [type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])],
                 "workspace_bytes": sum(t.untyped_storage().nbytes()
@@ -279,6 +296,22 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path, tensors: Any
         parallel_state.destroy_model_parallel()
 
 
+def _uneven(job: TrainJob, chunks: list[Any], comm: Any) -> None:
+    """The job's router bias and expert placement on the built model (:mod:`piper_megatron.experts`):
+    the model is built with the default placement; each slot then gets its logical expert's weights."""
+    from megatron.core import parallel_state
+
+    from piper_megatron.experts import bias_routers, move_experts
+
+    if job.router_bias:
+        bias_routers(chunks, job.router_bias_map)
+    if job.placement is not None and not job.placement.is_default:
+        if comm is None:  # TrainJob refuses it; kept for callers that build jobs by hand
+            raise SpecError("placement", job.placement.describe(), "needs Piper's dispatcher", "drop stock")
+        move_experts(chunks, job.placement, group=comm.group, ep_rank=parallel_state.get_expert_model_parallel_rank(),
+                     ranks=comm.layout.ranks, timeout=comm.timeout)
+
+
 def rank_main(info: Any, job_json: dict[str, Any]) -> dict[str, Any]:
     """Target for the local / emulated launchers: train ``job_json`` on this rank, report."""
     import warnings
@@ -287,9 +320,13 @@ def rank_main(info: Any, job_json: dict[str, Any]) -> dict[str, Any]:
     from piper_megatron.cpu import install_cpu_training_shims
 
     install_cpu_training_shims()
+    import piper_core
+
     job = TrainJob.from_json(job_json)
     with tempfile.TemporaryDirectory(prefix="piper-train-") as tmp:
-        return _train(job, info.ranks_per_node, Path(tmp))
+        trace_dir = Path(job.trace_dir) if job.trace_dir else Path(tmp)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        return _train(job, info.ranks_per_node, trace_dir) | {"piper_core": piper_core.__file__}
 
 
 def probe_setup(info: Any) -> Callable[[TrainJob, Path], dict[str, Any]]:

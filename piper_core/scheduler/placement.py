@@ -35,6 +35,7 @@ optimum.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from piper_core.errors import SpecError
@@ -126,6 +127,71 @@ def optimize(routing: Routing, ep: int) -> tuple[LayerPlacement, ...]:
         raise SpecError("ep", ep, f"must divide num_experts ({routing.num_experts}): Megatron gives every rank "
                         "the same number of experts", "choose a divisor of num_experts")
     return tuple(optimize_layer(n, counts, ep) for n, counts in routing.layers)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SharedPlacement:
+    """One placement for every MoE layer (what a runtime that places experts once per model runs,
+    e.g. Piper's dispatcher with ``--piper-placement``) and how it compares. The objective is the
+    sum over layers of each layer's busiest rank (tokens, the histogram's units): every layer waits
+    for its own busiest rank, so that sum is what the step's expert GEMMs and exchanges follow."""
+
+    placement: Placement
+    objective: float          # sum over layers of the busiest rank's tokens under ``placement``
+    default_objective: float  # ... under Megatron's default placement
+    lower_bound: float        # sum over layers of lower_bound(counts): no placement, shared or not, does better
+    start: str                # the candidate the descent started from (default, summed, or layer N)
+
+    @property
+    def gap(self) -> float:
+        """How far above the optimum it can be: objective / lower bound - 1."""
+        return self.objective / self.lower_bound - 1 if self.lower_bound > 0 else 0.0
+
+
+def _objective(layers: tuple[Counts, ...], placement: Placement) -> float:
+    return sum(max(rank_loads(counts, placement)) for counts in layers)
+
+
+def optimize_shared(routing: Routing, ep: int, *, max_swaps: int = 10_000) -> SharedPlacement:
+    """The placement of one expert layout for every MoE layer minimising the sum of the layers'
+    busiest ranks: the best of Megatron's default, the optimiser's placement of the histogram summed
+    over the layers and each layer's own optimised placement, then the best improving swap of two
+    experts on different ranks while one exists (the objective falls with every swap, so it stops).
+    Never worse than the default (it is a candidate and swaps only improve). Each descent round
+    tries every pair of experts on different ranks: meant for the tens of experts of a benchmark."""
+    layers = tuple(counts for _, counts in optimize_input(routing, ep))
+    summed = tuple(sum(c[e] for c in layers) for e in range(routing.num_experts))
+    default = default_placement(routing.num_experts, ep)
+    candidates = {"default": default, "summed": optimize_layer(0, summed, ep).placement}
+    for number, counts in routing.layers:
+        candidates[f"layer {number}"] = optimize_layer(number, counts, ep).placement
+    start = min(candidates, key=lambda k: (_objective(layers, candidates[k]), k != "default"))
+    held = [list(r) for r in candidates[start]]
+    best = _objective(layers, candidates[start])
+    for _ in range(max_swaps):
+        move = None
+        for a, b in itertools.combinations(range(ep), 2):
+            for i, j in itertools.product(range(len(held[a])), range(len(held[b]))):
+                held[a][i], held[b][j] = held[b][j], held[a][i]
+                value = _objective(layers, tuple(tuple(r) for r in held))
+                held[a][i], held[b][j] = held[b][j], held[a][i]
+                if value < best - 1e-9 and (move is None or value < move[0]):
+                    move = (value, a, i, b, j)
+        if move is None:
+            break
+        best, a, i, b, j = move
+        held[a][i], held[b][j] = held[b][j], held[a][i]
+    found = tuple(tuple(sorted(r)) for r in held)
+    return SharedPlacement(placement=found, objective=best, default_objective=_objective(layers, default),
+                           lower_bound=sum(lower_bound(c, ep) for c in layers), start=start)
+
+
+def optimize_input(routing: Routing, ep: int) -> tuple[tuple[int, Counts], ...]:
+    """``routing``'s layers, after the check :func:`optimize` makes (``ep`` divides the experts)."""
+    if ep < 1 or routing.num_experts % ep:
+        raise SpecError("ep", ep, f"must divide num_experts ({routing.num_experts}): Megatron gives every rank "
+                        "the same number of experts", "choose a divisor of num_experts")
+    return routing.layers
 
 
 def placement_json(placements: tuple[LayerPlacement, ...], *, num_experts: int, ep: int) -> dict:

@@ -7,20 +7,31 @@ No torch import at module level: planning code may import this module.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.specs.yamlio import from_dict, to_dict
 
+if TYPE_CHECKING:  # piper_core.runtime imports torch: read lazily (from_json), not at module level
+    from piper_core.runtime.placement import ExpertPlacement
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TrainJob:
     """One measured training run: ``model`` under ``plan`` for ``steps`` steps (the first
-    ``warmup`` not timed into the median). ``stock``: the framework's own dispatcher/MoE layer."""
+    ``warmup`` not timed into the median). ``stock``: the framework's own dispatcher/MoE layer.
+
+    Uneven routing (issue 17): ``router_bias`` (logical expert -> a constant added to its router
+    logit in every MoE layer; a mapping is accepted and kept as sorted pairs), ``placement`` (where
+    Piper's dispatcher puts each logical expert; the model is built with the default placement and
+    each slot then loaded with its logical expert's weights, so every placement trains the same
+    model), ``trace_dir`` (each rank keeps its ``--piper-trace`` file of the timed steps there,
+    ``trace.rank<R>.jsonl``). Megatron's trainer runs them (:mod:`piper_megatron.experts`)."""
 
     model: ModelSpec
     plan: ParallelPlan
@@ -33,10 +44,17 @@ class TrainJob:
     sync_grads: bool = True  # False: no data-parallel gradient reduction (the probe times one rank's work)
     tune: bool = False  # Piper's chunk count measured per MoE layer at run time (--piper-chunks tune)
     memory: bool = False  # the whole job under a TensorLedger (peak tensor bytes); its step times are not timings
+    router_bias: tuple[tuple[int, float], ...] = ()
+    placement: ExpertPlacement | None = None
+    trace_dir: str | None = None
 
     def __post_init__(self) -> None:
         from piper_core.errors import SpecError
 
+        bias = self.router_bias
+        pairs = tuple(sorted(bias.items())) if isinstance(bias, Mapping) else tuple(tuple(p) for p in bias)
+        object.__setattr__(self, "router_bias", tuple((int(e), float(b)) for e, b in pairs))
+        _check_uneven(self)
         if self.steps <= self.warmup:
             raise SpecError("steps", self.steps, f"must be > warmup ({self.warmup}) to time a step",
                             f"use steps >= {self.warmup + 1}")
@@ -49,14 +67,54 @@ class TrainJob:
         return {"model": to_dict(self.model), "plan": to_dict(self.plan), "steps": self.steps,
                 "warmup": self.warmup, "stock": self.stock, "seed": self.seed, "lr": self.lr,
                 "forward_steps": self.forward_steps, "sync_grads": self.sync_grads,
-                "tune": self.tune, "memory": self.memory}
+                "tune": self.tune, "memory": self.memory, "router_bias": [list(p) for p in self.router_bias],
+                "placement": None if self.placement is None else self.placement.to_json(),
+                "trace_dir": self.trace_dir}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainJob:
+        placement = d.get("placement")
+        if placement is not None:
+            from piper_core.runtime.placement import placement_from_json
+
+            placement = placement_from_json(placement, where="job")
         return cls(model=from_dict(ModelSpec, d["model"], where="job"), plan=from_dict(ParallelPlan, d["plan"], where="job"),
                    steps=d["steps"], warmup=d["warmup"], stock=d["stock"], seed=d["seed"], lr=d["lr"],
                    forward_steps=d.get("forward_steps", 0), sync_grads=d.get("sync_grads", True),
-                   tune=d.get("tune", False), memory=d.get("memory", False))
+                   tune=d.get("tune", False), memory=d.get("memory", False),
+                   router_bias=tuple(tuple(p) for p in d.get("router_bias", ())),
+                   placement=placement,
+                   trace_dir=d.get("trace_dir"))
+
+    @property
+    def router_bias_map(self) -> dict[int, float]:
+        return dict(self.router_bias)
+
+
+def _check_uneven(job: TrainJob) -> None:
+    """``router_bias`` and ``placement`` need a MoE model; each bias a finite number on an expert of
+    the model; a placement of the model's experts over the plan's ep, with Piper's dispatcher."""
+    from piper_core.errors import SpecError
+
+    experts = job.model.num_experts if job.model.is_moe else 0
+    if (job.router_bias or job.placement is not None) and not experts:
+        raise SpecError("router_bias" if job.router_bias else "placement", job.model.name,
+                        "routes no tokens: the model has no routed experts", "train a MoE model, or drop it")
+    seen = set()
+    for e, b in job.router_bias:
+        if not 0 <= e < experts or e in seen:
+            raise SpecError(f"router_bias[{e}]", b, f"must name each logical expert once, in 0 .. {experts - 1}",
+                            "bias experts of the model")
+        if not math.isfinite(b):
+            raise SpecError(f"router_bias[{e}]", b, "must be a finite number (added to the router logit)",
+                            "give e.g. 1.5")
+        seen.add(e)
+    if job.placement is not None:
+        job.placement.check(num_experts=experts, ep=job.plan.ep, key="placement",
+                            fix_ep=f"write a placement for the plan's ep={job.plan.ep}")
+        if job.stock and not job.placement.is_default:
+            raise SpecError("placement", job.placement.describe(), "runs on Piper's dispatcher only: the stock "
+                            "dispatcher sends logical expert l to slot l", "drop stock, or the placement")
 
 
 class _Box:

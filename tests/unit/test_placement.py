@@ -131,3 +131,26 @@ def test_the_model_prices_the_optimised_placement_no_slower():
         chosen = predict_routed(model, cluster, plan, routing, found)
         assert chosen.prediction.time.step <= default.prediction.time.step
         assert chosen.max_load.rank_max_over_mean < default.max_load.rank_max_over_mean
+
+
+def test_a_shared_placement_balances_every_layer_not_their_sum():
+    """optimize_shared: one placement for every layer, judged by the sum of the layers' busiest ranks.
+    Here two layers with opposite hot experts sum to an even histogram: balancing the sum would
+    leave the default (every layer at 2 of 4 experts hot on one rank); per layer the hot pairs split."""
+    from piper_core.scheduler.placement import optimize_shared
+
+    routing = Routing(num_experts=4, layers=((1, (10, 10, 1, 1)), (2, (1, 1, 10, 10))))
+    shared = optimize_shared(routing, 2)
+    assert shared.default_objective == 40 and shared.objective == 22 and shared.gap == 0.0
+    assert {frozenset(r) for r in shared.placement} in ({frozenset({0, 2}), frozenset({1, 3})},
+                                                        {frozenset({0, 3}), frozenset({1, 2})})
+    even = Routing(num_experts=4, layers=((1, (5, 5, 5, 5)),))
+    assert optimize_shared(even, 2).placement == default_placement(4, 2)  # ties keep the default
+    rng = random.Random(7)
+    for _ in range(20):  # never worse than the default, never below the bound
+        layers = tuple((n, _random_counts(rng, 8)) for n in (1, 2, 3))
+        got = optimize_shared(Routing(num_experts=8, layers=layers), 4)
+        assert got.lower_bound - 1e-9 <= got.objective <= got.default_objective + 1e-9
+        check_placement(got.placement, 8, 4)
+    with pytest.raises(SpecError, match="must divide num_experts"):
+        optimize_shared(routing, 3)

@@ -1,0 +1,118 @@
+"""Tables and the plot of :mod:`piper_core.bench.placement` results (``results.json``).
+
+Run: ``python -m piper_core.bench.placement_report FILE [--plot PNG]``: per case, every variant's
+median step, spread, rounds, the model's predicted step with the measured histogram and with even
+routing (and its error each way), the losses; then the measured load per rank before (default
+placement) and after (optimised), and the verdict. The plot: per case, each rank's tokens over the
+mean rank's, summed over the MoE layers, with the default and the optimised placement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _s(x: float | None, fmt: str = "{:.3f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _case_report(entry: dict[str, Any]) -> list[str]:
+    lines = [f"## {entry['case']} ({entry['world']} ranks, ep {entry['world']})"]
+    declared, summary = entry.get("declared"), entry.get("summary", {})
+    if declared is None:
+        lines.append(f"not declared: {summary.get('verdict', {}).get('target', 'the measuring run did not finish')}")
+        return lines
+    placement = declared["placement"]
+    lines.append(f"placement (declared before the runs): {placement['ranks']} ({placement['moved']} experts moved; "
+                 f"sum of the layers' busiest ranks {placement['default_objective']:.0f} -> "
+                 f"{placement['objective']:.0f}, gap to the lower bound {placement['gap']:.1%}); "
+                 f"cluster {declared['cluster']}")
+    if "table" not in summary:
+        lines.append("not summarised: the rounds did not finish")
+        return lines
+    lines += ["", "| variant | median s | min-max s | rounds (failed) | predicted s | error | predicted even s | "
+                  "error even | losses |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for name, row in summary["table"].items():
+        losses = ", ".join(f"{x:.6f}" for x in row["losses"] or [])
+        lines.append(f"| {name} | {_s(row['median_s'])} | {_s(row['min_s'])}-{_s(row['max_s'])} | "
+                     f"{row['rounds']} ({row['failed']}) | {_s(row['predicted_s'])} | "
+                     f"{_s(row['model_error'], '{:+.1%}')} | {_s(row['predicted_even_s'])} | "
+                     f"{_s(row['model_error_even'], '{:+.1%}')} | {losses} |")
+    for label, key in (("before (default)", "load_before"), ("after (optimised)", "load_after")):
+        table = summary.get(key)
+        if table is None:
+            lines.append(f"load per rank {label}: not measured")
+            continue
+        per_layer = ", ".join(f"layer {k} {v:.2f}" for k, v in table["max_over_mean"].items())
+        lines.append(f"load per rank {label}: tokens {table['total']} (busiest {table['total_max_over_mean']:.2f}x "
+                     f"the mean; {per_layer})")
+    v = summary["verdict"]
+    met = {True: "MET", False: "NOT MET", None: "no target"}[v.get("met")]
+    lines.append(f"verdict ({met}): {v.get('target')}; step cut {_s(v.get('step_cut'), '{:.1%}')}, "
+                 f"speedup {_s(v.get('speedup'), '{:.3f}x')}, failed runs {v.get('failed_runs')}, losses' largest "
+                 f"relative difference {_s(v.get('loss_max_rel_diff'), '{:.2g}')}")
+    return lines
+
+
+def report(results: dict[str, Any]) -> str:
+    """Markdown tables of every case (module docstring)."""
+    head = (f"placement benchmark: {results['workload']} workload, router bias {results['router_bias']}, "
+            f"{results['rounds']} rounds x {results['steps_timed']} timed steps; commit {results.get('commit')}")
+    lines = [head]
+    for entry in results["cases"]:
+        lines += [""] + _case_report(entry)
+    return "\n".join(lines)
+
+
+def plot_loads(results: dict[str, Any], path: Path) -> Path | None:
+    """Bar chart of each rank's load over the mean, default vs optimised placement, one panel per
+    case (None when no case measured both)."""
+    cases = [e for e in results["cases"] if (e.get("summary") or {}).get("load_before")
+             and e["summary"].get("load_after")]
+    if not cases:
+        return None
+    from piper_core.plots import _figure
+
+    fig = _figure(max(5.0, 4.0 * len(cases)), 3.4)
+    axes = fig.subplots(1, len(cases), squeeze=False)[0]
+    for ax, entry in zip(axes, cases):
+        for offset, (label, key, colour) in enumerate((("default", "load_before", "#e8743b"),
+                                                       ("optimised", "load_after", "#1f5fa8"))):
+            total = entry["summary"][key]["total"]
+            mean = sum(total) / len(total)
+            xs = [r + (offset - 0.5) * 0.4 for r in range(len(total))]
+            ax.bar(xs, [t / mean for t in total], width=0.4, color=colour,
+                   label=f"{label} (max {max(total) / mean:.2f}x)")
+        ax.axhline(1.0, color="#a0a0a0", linewidth=0.8)
+        ax.set_xticks(range(entry["world"]))
+        ax.set_xlabel("expert-parallel rank")
+        ax.set_ylabel("tokens / mean rank")
+        ax.set_title(entry["case"])
+        ax.legend(fontsize="small")
+    bias = ", ".join(f"expert {e} {b:+g}" for e, b in results["router_bias"].items())
+    fig.suptitle(f"tokens per expert-parallel rank, summed over MoE layers\n{results['workload']} workload, "
+                 f"router logit bias: {bias}", fontsize="medium")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m piper_core.bench.placement_report",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("results", type=Path)
+    p.add_argument("--plot", type=Path, help="write the load plot here")
+    a = p.parse_args(argv)
+    results = json.loads(a.results.read_text())
+    print(report(results))
+    if a.plot is not None:
+        plot_loads(results, a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The placement benchmark's arithmetic (piper_core/bench/placement.py), without training: the case
+and skew arguments, the verdict (a failed run or unequal losses fail it; at a busiest rank of 2x the
+mean the optimised placement must cut the step by 15 %; below, no target), and the one placement
+chosen for every layer."""
+
+from __future__ import annotations
+
+import pytest
+
+from piper_core.bench.placement import (
+    Case,
+    choose_placement,
+    estimate_s,
+    parse_cases,
+    parse_skew,
+    summarize,
+)
+from piper_core.specs.routing import Routing
+
+DECLARED = {"router_bias": {"0": 0.3}, "predicted_s": {"stock": 1.0, "piper-default": 1.0, "piper-optimized": 0.7},
+            "predicted_even_s": 0.6}
+
+
+def _run(variant, step, losses=(5.0, 4.9), tokens=None, error=None):
+    if error:
+        return {"variant": variant, "error": error, "wall_s": 1.0}
+    run = {"variant": variant, "step_s": step, "losses": list(losses)}
+    if tokens is not None:
+        run["rank_tokens"] = {"1": list(tokens)}
+    return run
+
+
+def _runs(default=1.0, optimized=0.8, before=(600, 200, 100, 100), after=(300, 300, 200, 200), **kw):
+    return [_run("stock", 1.0), _run("piper-default", default, tokens=before),
+            _run("piper-optimized", optimized, tokens=after, **kw)]
+
+
+def test_cases_and_skew_parse_with_clear_errors():
+    assert parse_cases("2,4", "2x2", 1000.0) == [Case(nodes=1, ranks_per_node=2), Case(nodes=1, ranks_per_node=4),
+                                                 Case(nodes=2, ranks_per_node=2, mbit=1000.0)]
+    assert [c.name for c in parse_cases("2", "2x2", 50)] == ["local-2", "emu-2x2-50mbit"]
+    with pytest.raises(ValueError, match="rank count >= 2"):
+        parse_cases("1", "", 1000.0)
+    with pytest.raises(ValueError, match="NODESxRANKS with 2 or more nodes"):
+        parse_cases("", "1x4", 1000.0)
+    with pytest.raises(ValueError, match="no case"):
+        parse_cases("", "", 1000.0)
+    assert parse_skew("0:0.5,3:-1") == {0: 0.5, 3: -1.0}
+    assert parse_skew("none") == {}
+    for bad in ("0:x", "a:1", "0:1,0:2", "0", ""):
+        with pytest.raises(ValueError, match="EXPERT:BIAS"):
+            parse_skew(bad)
+    assert estimate_s([Case(nodes=1, ranks_per_node=2)], 5, per_run_s=10.0) == 160.0
+
+
+def test_a_skewed_case_is_met_when_the_optimised_placement_cuts_15_percent():
+    s = summarize(DECLARED, _runs(optimized=0.8))
+    v = s["verdict"]
+    assert v["measured_max_over_mean_default"] == pytest.approx(2.4) and v["met"] is True
+    assert v["step_cut"] == pytest.approx(0.2) and v["losses_equal"] is True
+    assert s["load_after"]["total_max_over_mean"] == pytest.approx(1.2)
+    assert s["table"]["piper-optimized"]["model_error"] == pytest.approx(0.7 / 0.8 - 1)
+    assert summarize(DECLARED, _runs(optimized=0.9))["verdict"]["met"] is False
+
+
+def test_below_2x_there_is_no_target():
+    v = summarize(DECLARED, _runs(before=(350, 250, 200, 200)))["verdict"]
+    assert v["met"] is None and "no target" in v["target"]
+
+
+def test_without_a_router_bias_the_optimised_placement_may_cost_2_percent():
+    even = DECLARED | {"router_bias": {}}
+    assert summarize(even, _runs(optimized=1.019, before=(300, 300, 200, 200)))["verdict"]["met"] is True
+    v = summarize(even, _runs(optimized=1.03, before=(300, 300, 200, 200)))["verdict"]
+    assert v["met"] is False and "even load" in v["target"]
+
+
+def test_a_failed_run_or_unequal_losses_fail_the_verdict():
+    v = summarize(DECLARED, _runs(error="RankFailure: rank 1 died"))["verdict"]
+    assert v["met"] is False and v["failed_runs"] == 1
+    v = summarize(DECLARED, _runs(losses=(5.0, 4.8)))["verdict"]
+    assert v["met"] is False and v["losses_equal"] is False and v["loss_max_rel_diff"] == pytest.approx(0.1 / 4.9)
+
+
+def test_the_placement_puts_each_layers_hot_experts_apart():
+    routing = Routing(num_experts=8, layers=((1, (40, 30, 5, 5, 5, 5, 5, 5)), (2, (30, 40, 5, 5, 5, 5, 5, 5))))
+    placement, chosen = choose_placement(routing, 4)
+    assert placement.ep == 4 and sorted(placement.logical_at) == list(range(8))
+    rank_of = {e: r for r, experts in enumerate(placement.ranks) for e in experts}
+    assert rank_of[0] != rank_of[1]  # the two hot experts apart
+    assert chosen.objective < chosen.default_objective and chosen.placement == placement.ranks
