@@ -183,6 +183,9 @@ def add_placement_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-length", "--seq", dest="seq_length", metavar="N", help="sequence length")
     p.add_argument("--capacity-factor", metavar="F", help="MoE capacity factor, or 'none' (dropless)")
     p.add_argument("--out", metavar="FILE", help="write the placement as JSON (piper predict --placement reads it)")
+    p.add_argument("--shared", action="store_true",
+                   help="one placement for every MoE layer, the file Megatron's --piper-placement and the DeepSpeed "
+                        "block's \"placement\" run ({num_experts, ep, ranks}); default: one per layer")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_placement)
 
@@ -203,6 +206,8 @@ def run_placement(args: argparse.Namespace) -> int:
     ep = plan.ep if plan is not None else args.ep
     if ep is None:
         raise SpecError("--ep", None, "the expert-parallel size is required", "give --ep N or --parallel with ep=N")
+    if args.shared:
+        return _run_shared(args, model, routing, ep, plan)
     found = optimize(routing, ep)
     data = placement_json(found, num_experts=model.num_experts, ep=ep)
     if args.out:
@@ -221,6 +226,47 @@ def run_placement(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print("\n".join(_placement_text(model, routing, ep, found, priced, args.out)))
+    return 0
+
+
+def _run_shared(args: argparse.Namespace, model, routing, ep: int, plan) -> int:
+    """``piper placement --shared``: one placement for every layer (:func:`optimize_shared`), written in
+    the runtime's format and priced as the runtime runs it (the same placement on every layer)."""
+    from pathlib import Path
+
+    from piper_core.cli.parse import target_cluster
+    from piper_core.runtime.placement import ExpertPlacement
+    from piper_core.scheduler.placement import optimize_shared
+
+    found = optimize_shared(routing, ep)
+    data = ExpertPlacement(num_experts=model.num_experts, ep=ep, ranks=found.placement).to_json()
+    if args.out:
+        Path(args.out).write_text(json.dumps(data) + "\n")
+    priced = None
+    if plan is not None:
+        cluster = target_cluster(args)
+        every = {n: found.placement for n, _ in routing.layers}
+        priced = (predict_routed(model, cluster, plan, routing), predict_routed(model, cluster, plan, routing, every))
+    if args.json:
+        out = {"model": model.name, "source": routing.source, "ep": ep, "shared": True, "placement": data,
+               "objective": found.objective, "default_objective": found.default_objective,
+               "lower_bound": found.lower_bound, "gap": found.gap, "start": found.start}
+        if priced is not None:
+            out["predicted"] = {"default": routed_to_json(priced[0]), "optimized": routed_to_json(priced[1])}
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"piper placement: {model.name}, {model.num_experts} experts on ep={ep} ranks, one placement for every MoE "
+          f"layer, routing {routing.source}")
+    print(f"sum over layers of the busiest rank's tokens: default {found.default_objective:,.0f}, placed "
+          f"{found.objective:,.0f} (lower bound {found.lower_bound:,.0f}, gap {100 * found.gap:.2f}%; descent from "
+          f"{found.start})")
+    print("experts per rank: " + "; ".join(f"rank {r}: {list(e)}" for r, e in enumerate(found.placement)))
+    if priced is not None:
+        a, b = priced[0].prediction, priced[1].prediction
+        print(f"predicted step: default placement {a.time.step:.4g} s, placed {b.time.step:.4g} s: "
+              f"{a.time.step / b.time.step:.3f}x")
+    if args.out:
+        print(f"written to {args.out} (Megatron: --piper-placement {args.out}; DeepSpeed: \"placement\": \"{args.out}\")")
     return 0
 
 
