@@ -312,8 +312,11 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
         meta = self._current_meta()
         tracer = self.binding.tracer
         if tracer is not None:
+            logical = None
+            if self._logical_at is not None:  # the physical slots' logical experts (trace.py)
+                logical = self._logical_at[list(self.local_expert_indices)].tolist()
             self._record = tracer.begin(algorithm=self.binding.settings.algorithm.value, chunks=meta.chunks,
-                                        meta=meta, first_expert=self.local_expert_indices[0])
+                                        meta=meta, first_expert=self.local_expert_indices[0], logical_experts=logical)
             self._record.layer = self.layer_number  # phase-driven steps never reach routed_experts_compute
             self._record.mark("dispatch")
         fc1 = None if self._shared is None else self._shared.linear_fc1_forward_and_act

@@ -9,7 +9,10 @@ One line per forward call of a MoE layer (micro-batches and recomputed forwards 
 
 ``layer`` is Megatron's 1-based ``layer_number``; ``call`` counts that layer's forwards on this
 rank; ``tokens_per_expert`` are the tokens the local experts ``first_expert, first_expert + 1, ...``
-received. Phases: ``dispatch`` from the start of ``token_dispatch``, ``expert`` from
+received. Under an expert placement (``--piper-placement``) those are physical slots, and the
+record adds ``logical_experts``: the logical expert each local slot holds, so that a histogram read
+from the trace (``piper --routing``) counts logical experts whatever the placement.
+Phases: ``dispatch`` from the start of ``token_dispatch``, ``expert`` from
 ``routed_experts_compute`` (Megatron's sort by local expert, the experts and the unsort),
 ``combine`` from ``token_combine`` to its end. In the pipelined all-to-all the phases interleave:
 each schedule event (post or wait of a chunk's exchange, a chunk's experts) that changes the phase
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,11 +113,15 @@ class Tracer:
             path = path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
         return cls(path, rank=rank)
 
-    def begin(self, *, algorithm: str, chunks: int, meta: Any, first_expert: int) -> LayerRecord:
-        """A record for one layer forward; ``meta`` is the step's ``DispatchMeta``."""
+    def begin(self, *, algorithm: str, chunks: int, meta: Any, first_expert: int,
+              logical_experts: Sequence[int] | None = None) -> LayerRecord:
+        """A record for one layer forward; ``meta`` is the step's ``DispatchMeta``; ``logical_experts``
+        the logical expert of each local slot under a placement (None: slot = logical expert)."""
         fields = {"algorithm": algorithm, "chunks": chunks, "tokens_sent": meta.rows_in,
                   "tokens_received": meta.rows_out, "first_expert": first_expert,
                   "tokens_per_expert": list(meta.tokens_per_expert)}
+        if logical_experts is not None:
+            fields["logical_experts"] = [int(e) for e in logical_experts]
         return LayerRecord(self, fields)
 
     def done(self, record: LayerRecord) -> None:

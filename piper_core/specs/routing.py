@@ -21,7 +21,8 @@ Two file formats are read (:func:`load_routing`):
    ``default``.
 2. The JSON lines Megatron's ``--piper-trace`` writes (``piper_megatron/trace.py``; one line per
    rank, layer and forward call with ``layer``, ``first_expert`` and ``tokens_per_expert``, the
-   tokens the rank's local experts received). All lines of all the given files are summed into
+   tokens the rank's local experts received; under an expert placement ``logical_experts`` names the
+   logical expert of each local slot, and the counts go to those). All lines of all the given files are summed into
    one histogram per layer; each expert must be covered as often as every other of its layer (a
    rank's file left out would bias the histogram).
 
@@ -232,10 +233,11 @@ def _from_trace(texts: list[tuple[Path, str]], model: ModelSpec) -> Routing:
                                 f"local experts must stay within the model's {experts} experts",
                                 f"trace a run of {model.name} ({experts} experts)", where=at)
             _check_nonnegative(counts, at)
+            ids = _logical_ids(record, first, len(counts), experts, at)
             row, seen = sums.setdefault(number, [0.0] * experts), covered.setdefault(number, [0] * experts)
-            for i, c in enumerate(counts):
-                row[first + i] += c
-                seen[first + i] += 1
+            for e, c in zip(ids, counts):
+                row[e] += c
+                seen[e] += 1
     if not sums:
         raise SpecError("--routing", where, "holds no trace records", "give the files --piper-trace wrote",
                         where=where)
@@ -247,6 +249,19 @@ def _from_trace(texts: list[tuple[Path, str]], model: ModelSpec) -> Routing:
                             "give the trace files of all ranks", where=where)
     given = {n: _check_counts(f"layers.{n}", row, experts, where) for n, row in sums.items()}
     return _complete(given, None, model, where)
+
+
+def _logical_ids(record: dict, first: int, count: int, experts: int, at: str) -> list[int]:
+    """The logical expert of each local slot of a trace record: its ``logical_experts`` (written under
+    an expert placement), else the slots ``first, first + 1, ...`` themselves."""
+    ids = record.get("logical_experts")
+    if ids is None:
+        return list(range(first, first + count))
+    if not isinstance(ids, list) or len(ids) != count or any(
+            isinstance(e, bool) or not isinstance(e, int) or not 0 <= e < experts for e in ids):
+        raise SpecError("logical_experts", ids, f"must list one logical expert id (0 .. {experts - 1}) per local slot "
+                        f"({count})", "give the files --piper-trace wrote", where=at)
+    return ids
 
 
 def _trace_record(line: str, at: str) -> dict:

@@ -41,11 +41,18 @@ def _placement():
 
 
 @pytest.fixture(scope="module")
-def runs():
+def traces(tmp_path_factory):
+    return {name: tmp_path_factory.mktemp(f"trace-{name}") for name in ("default", "placed")}
+
+
+@pytest.fixture(scope="module")
+def runs(traces):
     from piper_megatron.train import TrainJob, run
 
-    jobs = {"default": TrainJob(model=MODEL, plan=PLAN, steps=3, warmup=1, router_bias=BIAS),
-            "placed": TrainJob(model=MODEL, plan=PLAN, steps=3, warmup=1, router_bias=BIAS, placement=_placement()),
+    jobs = {"default": TrainJob(model=MODEL, plan=PLAN, steps=3, warmup=1, router_bias=BIAS,
+                                trace_dir=str(traces["default"])),
+            "placed": TrainJob(model=MODEL, plan=PLAN, steps=3, warmup=1, router_bias=BIAS, placement=_placement(),
+                               trace_dir=str(traces["placed"])),
             "stock": TrainJob(model=MODEL, plan=PLAN, steps=3, warmup=1, router_bias=BIAS, stock=True)}
     return {name: run(job, timeout_s=300) for name, job in jobs.items()}
 
@@ -88,6 +95,18 @@ def test_the_bias_loads_the_default_busiest_rank(runs):
         assert ranks[0] / (sum(ranks) / 2) >= 1.5, f"layer {layer}: rank loads {ranks}"
         placed = _slots(runs["placed"], layer)
         assert max(sum(placed[:4]), sum(placed[4:])) < ranks[0], f"layer {layer}: the placement did not spread it"
+
+
+def test_a_placed_runs_trace_reads_back_as_logical_experts(runs, traces):
+    """--piper-trace under a placement records each slot's logical expert, so the histogram read
+    from it (piper --routing) is the default run's, expert for expert, not the physical slots'."""
+    from piper_core.specs.routing import load_routing
+
+    read = {name: load_routing(sorted(str(p) for p in traces[name].glob("trace.rank*.jsonl")), MODEL)
+            for name in traces}
+    assert read["placed"].layers == read["default"].layers
+    hot = read["default"].layers[0][1]
+    assert hot[0] + hot[1] > 2 * sum(hot) / 4  # the biased experts 0 and 1 carry the skew, by logical id
 
 
 def test_bad_jobs_are_refused():
