@@ -49,6 +49,7 @@ from piper_core.scheduler.routed import reprice, search_by_ep
 from piper_core.scheduler.search import RETIME, SearchResult, best_predictions, search
 from piper_core.scheduler.space import SearchSpace, default_space
 from piper_core.specs.cluster import ClusterSpec
+from piper_core.specs.compat import check_layout_model
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.routing import load_routing
 from piper_core.timing.step import step_time
@@ -64,7 +65,7 @@ from piper_megatron.args import (
     piper_options,
     vocab_notes,
 )
-from piper_megatron.pins import SHARED_EXPERT_OVERLAP, Pins, admits, pins_from, restrict
+from piper_megatron.pins import LAYOUT_FLAG, SHARED_EXPERT_OVERLAP, Pins, admits, pins_from, restrict
 from piper_megatron.resume import PlanRecord, check_save, make_record, narrow, resume_from, widen, write_record
 from piper_megatron.versions import MegatronRelease, check_relied_on, installed_release
 
@@ -159,6 +160,9 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
         raise SpecError("world size", world_size, "must be >= 1", "launch with torchrun, or pass --piper-world-size N "
                         "with --piper-plan-only")
     model, pins = model_spec_from_args(ns, defaults, release=release), pins_from(argv, options)
+    layout = pins.values.get("pipeline_model_parallel_layout")
+    if layout is not None:
+        check_layout_model(model, layout, key=LAYOUT_FLAG)
     fp32 = _precision(ns, pins) == "fp32"
     cluster, notes = _cluster(options)
     cluster = _experts_as_written(ns, options, cluster)

@@ -49,6 +49,7 @@ PINNABLE: dict[str, tuple[str, Callable[[str], Any] | None, Any]] = {
     "--use-precision-aware-optimizer": ("use_precision_aware_optimizer", None, False),
     "--moe-token-dispatcher-type": ("moe_token_dispatcher_type", str, "allgather"),
     "--moe-shared-expert-overlap": ("moe_shared_expert_overlap", None, False),
+    "--pipeline-model-parallel-layout": ("pipeline_model_parallel_layout", str, None),
 }
 
 # Whether Piper's token dispatcher runs Megatron's --moe-shared-expert-overlap. It does: the stock
@@ -149,14 +150,9 @@ LAYOUT_FLAG = "--pipeline-model-parallel-layout"
 def pins_from(argv: Sequence[str], options: PiperOptions) -> Pins:
     """The pins of a command line; rejects flags the search cannot honour (SpecError)."""
     given = explicit_flags(argv)
-    args = list(argv)
-    at = next((i for i, a in enumerate(args) if a == LAYOUT_FLAG or a.startswith(LAYOUT_FLAG + "=")), None)
-    if at is not None:
-        value = args[at].partition("=")[2] or (args[at + 1] if at + 1 < len(args) else None)
-        raise SpecError(LAYOUT_FLAG, value,
-                        "--piper chooses the pipeline layout with the plan (and writes it where a split needs one); a "
-                        "layout given on the command line cannot be pinned yet",
-                        "drop it, or plan with `piper plan --export-megatron` and run without --piper")
+    layout = given.get("pipeline_model_parallel_layout")
+    if layout is not None:
+        _check_pinned_layout(layout, given)
     if "decoder_first_pipeline_num_layers" in given:
         raise SpecError("--decoder-first-pipeline-num-layers", given["decoder_first_pipeline_num_layers"],
                         "Piper's search splits layers evenly or shortens the last stage only",
@@ -183,6 +179,25 @@ def pins_from(argv: Sequence[str], options: PiperOptions) -> Pins:
                 min_chunks=options.min_chunks, off=options.off)
     _check_off(pins)
     return pins
+
+
+def _check_pinned_layout(layout: str, given: dict[str, Any]) -> None:
+    """A layout on the command line pins the plan's layout: its syntax and Megatron's rules that need
+    no model now (the model's, when planning), and no other way of splitting the layers beside it."""
+    from piper_core.specs.layout import check_layout, parse_layout
+
+    stages = parse_layout(layout, key=LAYOUT_FLAG)
+    pp = given.get("pipeline_model_parallel_size")
+    if pp is not None:
+        check_layout(stages, pp, text=layout, key=LAYOUT_FLAG)
+    else:
+        check_layout(stages, 1, text=layout, key=LAYOUT_FLAG)
+    other = [flag for flag, (dest, _, _) in PINNABLE.items() if dest in given and dest in (
+        "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")]
+    if other:
+        raise SpecError(LAYOUT_FLAG, layout, f"places every layer itself, so {', '.join(other)} cannot be given "
+                        "beside it (Megatron refuses the pair)", f"drop {', '.join(other)}")
 
 
 def _check_off(pins: Pins) -> None:
@@ -244,6 +259,17 @@ def restrict(space: SearchSpace, pins: Pins) -> SearchSpace:
             out["tp"] = (etp,)
     if "recompute_granularity" in v:
         out["recompute"] = (v["recompute_granularity"],)
+    layout = v.get("pipeline_model_parallel_layout")
+    if layout is not None:  # the plan takes the layout; pp x vpp must give its stages
+        from piper_core.specs.layout import parse_layout
+
+        stages = len(parse_layout(layout, key=LAYOUT_FLAG))
+        out["pipeline_layout"] = layout
+        out["pp"] = tuple(p for p in out.get("pp", space.pp) if stages % p == 0 and stages // p >= 1)
+        if not out["pp"]:
+            raise SpecError(LAYOUT_FLAG, layout, f"has {stages} stages, which no pipeline size of the search "
+                            f"({', '.join(map(str, space.pp))}) divides", "pin --pipeline-model-parallel-size")
+        out["vpp"] = tuple(sorted({stages // p for p in out["pp"]}))
     if v.get("use_distributed_optimizer") or v.get("overlap_param_gather") or v.get("optimizer_cpu_offload"):
         out["distributed_optimizer"] = (True,)  # validate_args: param gather overlap and offload need it
     off = pins.off_all

@@ -26,7 +26,7 @@ from piper_core.resource import activations
 from piper_core.resource.flops import layer_flops_per_token, logit_flops_per_token, mtp_flops_per_token
 from piper_core.resource.memory import GIB, _state_bytes, fp8_weights, peak_bytes, stage_memory
 from piper_core.resource.params import stage_params
-from piper_core.specs.layout import balanced_layout
+from piper_core.specs.layout import balanced_layout, parse_layout
 from piper_core.resource.predict import Prediction, predict
 from piper_core.scheduler.space import UNPIPELINED, A2AVariant, SearchSpace, default_space, pipeline_split
 from piper_core.specs.cluster import ClusterSpec
@@ -88,7 +88,7 @@ def layout_weights(model: ModelSpec) -> dict[str, float]:
 
 
 def _structural(model: ModelSpec, gpus: int, gbs: int, combo: tuple, sequence_parallel: bool = True,
-                shared_overlap: bool = True) -> tuple[dict | None, str | None]:
+                shared_overlap: bool = True, pinned_layout: str | None = None) -> tuple[dict | None, str | None]:
     """Kwargs for ParallelPlan, or the first Megatron rule the combination breaks."""
     tp, pp, vpp, cp, ep, etp_is_tp, mbs, recompute, dist_opt = combo
     etp = tp if etp_is_tp else 1
@@ -110,7 +110,12 @@ def _structural(model: ModelSpec, gpus: int, gbs: int, combo: tuple, sequence_pa
         return None, "seq_length not divisible by 2*cp"
     last, reason = pipeline_split(model.num_layers, pp, vpp)
     layout = None
-    if reason and vpp > 1:  # no even split over pp x vpp: Megatron's layout, embedding and loss a layer each
+    if pinned_layout is not None:  # the user's layout, whatever split would do
+        stages = len(parse_layout(pinned_layout))
+        if pp * vpp != stages:
+            return None, f"pp*vpp is not the pinned layout's {stages} stages"
+        last, reason, layout = None, None, pinned_layout
+    elif reason and vpp > 1:  # no even split over pp x vpp: Megatron's layout, embedding and loss a layer each
         layout = balanced_layout(model.num_layers, pp, vpp, model.mtp_num_layers, **layout_weights(model))
         reason = None if layout is not None else reason
     if reason:
@@ -201,7 +206,7 @@ class _Scan:
         if not inner or (prefix[5] and prefix[0] == 1):
             return False
         kwargs, _ = _structural(self.model, self.gpus, self.gbs, prefix + inner[0], self.space.sequence_parallel,
-                                self.space.shared_expert_overlap)
+                                self.space.shared_expert_overlap, self.space.pipeline_layout)
         return kwargs is not None
 
     def scan(self, outer: list[tuple], progress=None) -> SearchResult:
@@ -239,7 +244,8 @@ class _Scan:
                 if variants is None:
                     variants = variants_of[key] = _variants(space, combo, cluster)
                 combos.append((combo, variants))
-            kwargs, reason = _structural(model, gpus, gbs, combos[0][0], space.sequence_parallel, space.shared_expert_overlap)
+            kwargs, reason = _structural(model, gpus, gbs, combos[0][0], space.sequence_parallel, space.shared_expert_overlap,
+                                         space.pipeline_layout)
             if kwargs is None:  # the rules read only the first seven dimensions: all of inner fail alike
                 k = sum(len(v) for _, v in combos)
                 result.candidates += k
@@ -255,7 +261,8 @@ class _Scan:
                     _, twin, error = checked_base
                     base = None if twin is None else _copy(twin, distributed_optimizer=combo[8])
                 else:
-                    kwargs, _ = _structural(model, gpus, gbs, combo, space.sequence_parallel, space.shared_expert_overlap)
+                    kwargs, _ = _structural(model, gpus, gbs, combo, space.sequence_parallel, space.shared_expert_overlap,
+                                            space.pipeline_layout)
                     kwargs["attention_backend"] = self.attention_backend
                     kwargs["defer_wgrad"] = space.defer_wgrad and combo[4] > 1
                     kwargs["precision"] = space.precision

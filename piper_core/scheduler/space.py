@@ -36,7 +36,9 @@ class SearchSpace:
     as it only hides time where a runtime runs it). ``precision``: every plan's (``fp32`` for a job that
     trains in fp32: bf16 gradient reduction and optimizer offload then do not apply). ``fp8`` and
     ``fp8_recipe``: every plan's FP8 setting (``piper plan --fp8``), not searched: FP8 is a choice of
-    numerics a team makes, not a free parameter of the plan.
+    numerics a team makes, not a free parameter of the plan. ``pipeline_layout``: every plan's
+    Megatron layout (a layout the user pinned; ``pp x vpp`` must give its stage count), in place of
+    the even split or the search's own layout.
     """
 
     tp: tuple[int, ...]
@@ -56,6 +58,7 @@ class SearchSpace:
     precision: str = "bf16"
     fp8: str | None = None
     fp8_recipe: str = "delayed"
+    pipeline_layout: str | None = None
 
     @property
     def size(self) -> int:

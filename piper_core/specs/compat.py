@@ -163,6 +163,21 @@ def _layout_counts(model: ModelSpec, layout: str) -> tuple[int, ...]:
     return counts
 
 
+def check_layout_model(model: ModelSpec, layout: str, key: str = "pipeline_layout") -> None:
+    """Megatron's layout rules that need the model but no pipeline size: as many ``t`` as its layers and
+    ``m`` as its MTP layers (SpecError naming ``key``)."""
+    try:
+        _layout_counts(model, layout)
+        from piper_core.specs.layout import mtp_ranks, parse_layout
+
+        stages = parse_layout(layout)
+        mtp_ranks(stages, len(stages), model.mtp_num_layers, text=layout)  # the count (one rank a stage)
+    except SpecError as exc:
+        if exc.key != "pipeline_layout" or key == "pipeline_layout":
+            raise
+        raise SpecError(key, exc.value, exc.rule, exc.fix) from None
+
+
 def mtp_layers(model: ModelSpec, plan: ParallelPlan) -> tuple[int, ...]:
     """Per pipeline rank: the MTP layers it runs, all in its last virtual stage -- the last rank's
     without a layout (Megatron ``get_mtp_num_layers_to_build``), where the layout puts them with one."""

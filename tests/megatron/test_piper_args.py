@@ -693,3 +693,26 @@ def test_the_dispatcher_exchanges_within_the_nvlink_domain(monkeypatch, cluster,
     request = dispatch_request(planned_job, parse_piper_options(argv), 7)
     assert request.ranks_per_node == domain and request.timeout_minutes == 7
     assert (request.a2a, request.chunks) == (planned_job.top.plan.a2a, planned_job.top.plan.a2a_chunks)
+
+
+# ---- a pinned pipeline layout ----------------------------------------------------------------------
+
+
+
+def test_a_pinned_layout_is_the_plans_and_megatrons(tmp_path):
+    """--pipeline-model-parallel-layout on the command line: the plan runs that layout (its pp x vpp
+    from the stage count), the rewrite leaves the flag as written, and the model's rules are checked
+    before the search (a layout with the wrong layer count is refused by name)."""
+    layout = "Ettt|tt|t|ttL"  # 8 layers over 4 stages, uneven: no even split would give it
+    argv = PIPER + BASE + ["--pipeline-model-parallel-layout", layout, "--pipeline-model-parallel-size", "2"]
+    job = planned(argv)
+    plans = [p.plan for p in job.best]
+    assert plans and all(p.pipeline_layout == layout and p.pp == 2 and p.vpp == 2 for p in plans)
+    from piper_megatron.args import megatron_settings
+
+    settings = megatron_settings(job.model, plans[0], job.pins)
+    assert "pipeline_model_parallel_layout" not in settings  # pinned: Megatron keeps the user's value
+    assert settings.get("num_virtual_stages_per_pipeline_rank") is None  # Megatron derives vpp from the layout
+    with pytest.raises(SpecError, match=r"--pipeline-model-parallel-layout=.*places 7 transformer layers \(t\), "
+                                        r"but .* has 8"):
+        planned(PIPER + BASE + ["--pipeline-model-parallel-layout", "Ettt|tt|t|tL"])

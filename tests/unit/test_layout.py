@@ -139,16 +139,25 @@ def test_deepseek_v3_plans_with_vpp_exist_now():
 
 
 @pytest.mark.parametrize("argv", [["--pipeline-model-parallel-layout", BRIDGE], [f"--pipeline-model-parallel-layout={BRIDGE}"]])
-def test_piper_refuses_a_layout_on_the_command_line(argv):
-    """--piper writes the layout with the plan; one given on the command line is refused by name, not
-    overwritten (Megatron's flag is not a pin yet)."""
+def test_piper_pins_a_layout_given_on_the_command_line(argv):
+    """--piper keeps a layout given on the command line: the search's space takes it, with the pipeline
+    sizes whose pp x vpp give its 32 stages (tests/megatron/test_piper_args.py plans with it)."""
+    from piper_core.scheduler.space import default_space
     from piper_megatron.args import parse_piper_options
-    from piper_megatron.pins import pins_from
+    from piper_megatron.pins import pins_from, restrict
 
     rest = ["--num-layers", "61", *argv]
-    options = parse_piper_options(["--piper", *rest])
-    with pytest.raises(SpecError, match=r"--pipeline-model-parallel-layout='Et\*2\|.*cannot be pinned yet; drop it"):
-        pins_from(rest, options)
+    pins = pins_from(rest, parse_piper_options(["--piper", *rest]))
+    space = restrict(default_space(DSV3, H100, 1024), pins)
+    assert space.pipeline_layout == BRIDGE and set(space.pp) <= {1, 2, 4, 8, 16, 32}
+    assert all(32 % p == 0 for p in space.pp) and set(space.vpp) == {32 // p for p in space.pp}
+    with pytest.raises(SpecError, match=r"--pipeline-model-parallel-layout=.*places every layer itself, so "
+                                        r"--decoder-last-pipeline-num-layers cannot be given beside it"):
+        pins_from(rest + ["--decoder-last-pipeline-num-layers", "5"], parse_piper_options(["--piper", *rest]))
+    with pytest.raises(SpecError, match=r"--pipeline-model-parallel-layout='Ett\|tL': has 2 stages, not a multiple "
+                                        r"of pp \(4\)"):
+        pins_from(["--pipeline-model-parallel-layout", "Ett|tL", "--pipeline-model-parallel-size", "4"],
+                  parse_piper_options(["--piper"]))
 
 
 def test_a_heavy_loss_falls_back_to_one_layer_rather_than_an_empty_stage():
