@@ -1,0 +1,374 @@
+"""Incremental expert migration on Megatron-Core (issue 17, deliverable 3): between two steps, move the
+experts whose physical slot changes to their new expert-parallel rank, then switch the dispatchers.
+
+For each logical expert that changes slot (:func:`piper_core.scheduler.migration.plan_migration`, the
+target aligned so that experts staying on a rank keep their slot), the holder of its old slot packs,
+for every parameter of that local expert, in one fixed order:
+
+* the weight (``param.data``: bf16 or fp32, in DDP's parameter buffer where it has one);
+* the DDP gradient buffer's view ``param.main_grad``, so that it reads as the logical expert's after
+  the move (DDP zeroes the buffer at the next step's start; moved anyway so that nothing observed
+  between steps is stale);
+* its optimizer state (:func:`optimizer_state`): Adam's ``exp_avg``, ``exp_avg_sq`` and ``step``, and
+  the fp32 master weight where the optimizer keeps one -- Piper's host ``FP32Adam`` and
+  ``MixedPrecisionAdam`` (piper_megatron/train.py), Megatron-Core's ``FP32Optimizer``,
+  ``Float16OptimizerWithFloat16Params`` and ``ChainedOptimizer``, a plain ``torch.optim`` optimizer,
+  and Megatron-Core's ``DistributedOptimizer`` where every rank holds its experts' whole state
+  (expert data-parallel size 1; with a larger one the shard of an expert depends on its local slot,
+  which a move may change: refused, by name).
+
+Every rank sends one byte buffer to each peer it gives experts to and receives one from each it takes
+from (point-to-point over the expert-parallel group, each wait bounded by ``timeout``; a failure is a
+:class:`~piper_core.runtime.timeouts.CollectiveError` naming the operation and the ranks), then
+writes what it received, and its own slot changes, into place (``copy_``: the parameters, views and
+state objects stay the same, so DDP's buckets and the optimizer's references stay valid). Finally
+each MoE layer's :class:`~piper_megatron.dispatcher.PiperTokenDispatcher` routes by the new
+placement (:meth:`~piper_megatron.dispatcher.PiperTokenDispatcher.set_placement`).
+
+Checkpoints hold physical slots under Megatron's expert names: :func:`write_placements` keeps the
+placement of every layer beside them (``piper_placement.json``, the format of ``piper placement
+--out``) and :func:`apply_placements` sets it on a freshly built model before its state is loaded.
+
+Experts must be ``SequentialMLP`` (``moe_grouped_gemm`` off, as on CPU ranks): the grouped variants
+hold all local experts in shared tensors, which this does not split (refused, by name).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from piper_core.errors import SpecError
+from piper_core.runtime import timeouts
+from piper_core.runtime.placement import ExpertPlacement
+from piper_core.scheduler.migration import MigrationPlan, plan_migration
+
+PLACEMENT_NAME = "piper_placement.json"
+Resolver = Callable[[torch.nn.Parameter], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MigrationReport:
+    """What one rank did: the plan, the bytes it sent and received, and the exchange's seconds
+    (packing, the point-to-point exchange and unpacking, between two barriers of the EP group)."""
+
+    plan: MigrationPlan
+    sent_bytes: int
+    received_bytes: int
+    seconds: float
+    placements: dict[int, ExpertPlacement]
+
+
+# ---- the model's MoE layers ----------------------------------------------------------------------
+
+def moe_layers(chunks: Iterable[torch.nn.Module]) -> dict[int, Any]:
+    """layer_number -> MoELayer of this rank's model chunks (DDP-wrapped or not)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    out: dict[int, Any] = {}
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                number = getattr(module, "layer_number", None)
+                if number is None:
+                    raise SpecError("MoELayer.layer_number", None, "is unset, so the layer cannot be named in a "
+                                    "placement", "build the layer inside a TransformerBlock (or call set_layer_number)")
+                out[number] = module
+    return out
+
+
+def _dispatcher(layer: Any, number: int) -> Any:
+    from piper_megatron.dispatcher import PiperTokenDispatcher
+
+    d = layer.token_dispatcher
+    if not isinstance(d, PiperTokenDispatcher):
+        raise SpecError(f"layer {number} token dispatcher", type(d).__name__, "cannot route by a placement "
+                        "(Megatron's dispatchers send logical expert l to slot l)",
+                        "build the model with Piper's dispatcher (--piper, or install_dispatcher)")
+    return d
+
+
+def current_placements(chunks: Iterable[torch.nn.Module]) -> dict[int, ExpertPlacement]:
+    """layer_number -> the placement each MoE layer's dispatcher routes by (default where none)."""
+    out = {}
+    for number, layer in moe_layers(chunks).items():
+        d = _dispatcher(layer, number)
+        out[number] = d.placement or ExpertPlacement.default(d.num_experts, d.ep_size)
+    return out
+
+
+def _local_experts(layer: Any, number: int) -> list[Any]:
+    local = getattr(layer.experts, "local_experts", None)
+    if local is None:
+        raise SpecError(f"layer {number} experts", type(layer.experts).__name__, "hold every local expert in shared "
+                        "tensors; migration moves SequentialMLP experts (one module each)",
+                        "turn moe_grouped_gemm off (--moe-grouped-gemm unset)")
+    return list(local)
+
+
+# ---- optimizer state -----------------------------------------------------------------------------
+
+def optimizer_state(optimizer: Any, params: list[torch.nn.Parameter]) -> Resolver:
+    """A function from a model parameter to the optimizer tensors that belong to it (the fp32 master
+    weight as ``main_param`` where one is kept apart from the parameter; Adam's state by its names).
+    SpecError for an optimizer this does not know, and for the distributed optimizer over more than
+    one expert data-parallel rank (module docstring)."""
+    owners = {id(p): _owner(optimizer, p) for p in params}
+
+    def resolve(p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+        owner = owners.get(id(p))
+        if owner is None:
+            return {}
+        tensors = owner(p)
+        return {k: v for k, v in sorted(tensors.items()) if torch.is_tensor(v)}
+    return resolve
+
+
+def _owner(optimizer: Any, p: torch.nn.Parameter) -> Callable[[Any], dict[str, torch.Tensor]] | None:
+    """The function giving ``p``'s state in ``optimizer`` (None: it does not hold ``p``)."""
+    from piper_megatron.train import FP32Adam, MixedPrecisionAdam
+
+    name = type(optimizer).__name__
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        for inner in chained:
+            found = _owner(inner, p)
+            if found is not None:
+                return found
+        return None
+    if isinstance(optimizer, FP32Adam):
+        return (lambda q: dict(optimizer.adam.state.get(q, {}))) if any(q is p for q in optimizer.params) else None
+    if isinstance(optimizer, MixedPrecisionAdam):
+        for q, master in zip(optimizer.params, optimizer.masters):
+            if q is p:
+                return lambda _q, m=master: {"main_param": m, **optimizer.adam.state.get(m, {})}
+        return None
+    if name == "DistributedOptimizer":
+        return _distributed(optimizer, p)
+    if hasattr(optimizer, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+        for group, masters in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups):
+            for q, master in zip(group, masters):
+                if q is p:
+                    return lambda _q, m=master: {"main_param": m, **optimizer.optimizer.state.get(m, {})}
+        held = any(q is p for group in optimizer.fp32_from_fp32_groups for q in group)
+        return (lambda q: dict(optimizer.optimizer.state.get(q, {}))) if held else None
+    inner = getattr(optimizer, "optimizer", None)  # FP32Optimizer wraps a torch optimizer
+    if name == "FP32Optimizer" and isinstance(inner, torch.optim.Optimizer):
+        return _owner(inner, p)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        held = any(q is p for g in optimizer.param_groups for q in g["params"])
+        return (lambda q: dict(optimizer.state.get(q, {}))) if held else None
+    raise SpecError("optimizer", name, "is not one whose per-parameter state migration knows (Piper's FP32Adam / "
+                    "MixedPrecisionAdam, Megatron's FP32Optimizer, Float16OptimizerWithFloat16Params, "
+                    "DistributedOptimizer, ChainedOptimizer, or a torch.optim optimizer)",
+                    "use one of those, or migrate with move_optimizer=False only if the optimizer keeps no state")
+
+
+def _distributed(optimizer: Any, p: torch.nn.Parameter) -> Callable[[Any], dict[str, torch.Tensor]] | None:
+    """Megatron's DistributedOptimizer: ``p``'s main parameter and Adam state (its whole state: one
+    expert data-parallel rank; else SpecError)."""
+    if p not in optimizer.model_param_gbuf_map:
+        return None
+    group = getattr(optimizer, "data_parallel_group", None)
+    size = dist.get_world_size(group) if group is not None else 1
+    if getattr(p, "allreduce", True) is False and size > 1:
+        raise SpecError("DistributedOptimizer", f"expert data-parallel size {size}", "shards each expert's "
+                        "optimizer state over the expert data-parallel ranks by its position in the gradient buffer, "
+                        "which a move to another local slot changes; migration moves whole states only",
+                        "migrate with expert data-parallel size 1 (ep = the data-parallel size), or without "
+                        "--use-distributed-optimizer")
+    if p not in optimizer.model_param_group_index_map:
+        return None
+
+    def state(q: Any) -> dict[str, torch.Tensor]:
+        tensors = dict(optimizer._get_main_param_and_optimizer_states(q))
+        main = tensors.pop("param")
+        if main.untyped_storage().data_ptr() != q.untyped_storage().data_ptr():  # fp32: a view of the weight
+            tensors["main_param"] = main
+        return tensors
+    return state
+
+
+# ---- packing -------------------------------------------------------------------------------------
+
+def _tensors(expert: Any, resolve: Resolver | None) -> list[torch.Tensor]:
+    """What moves with one local expert, in a fixed order (module docstring)."""
+    out = []
+    for p in expert.parameters():
+        out.append(p.data)
+        grad = getattr(p, "main_grad", None)
+        if grad is not None:
+            out.append(grad)
+        if resolve is not None:
+            out.extend(resolve(p).values())
+    return out
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def _nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@torch.no_grad()
+def _unpack(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> int:
+    offset = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        t.copy_(buffer[offset:offset + n].view(t.dtype).view(t.shape))
+        offset += n
+    return offset
+
+
+# ---- the move ------------------------------------------------------------------------------------
+
+def migrate(chunks: list[torch.nn.Module], optimizer: Any, target: ExpertPlacement | Mapping[int, ExpertPlacement],
+            *, timeout: timedelta = timedelta(seconds=60), move_optimizer: bool = True) -> MigrationReport:
+    """Move this rank's experts to ``target`` (one placement for every MoE layer, or layer_number ->
+    placement; layers not given keep theirs) and switch the dispatchers (module docstring). Call it
+    on every rank of the job between two steps (after ``optimizer.step()``). ``move_optimizer=False``
+    leaves the optimizer state in the slots (wrong for Adam: the tests' control)."""
+    layers = moe_layers(chunks)
+    current = current_placements(chunks)
+    wanted = {n: target for n in layers} if isinstance(target, ExpertPlacement) else dict(target)
+    unknown = sorted(set(wanted) - set(layers))
+    if unknown:
+        raise SpecError("placement layers", unknown, f"are not MoE layers of this rank (it holds {sorted(layers)})",
+                        "give placements for this pipeline stage's MoE layers")
+    first = next(iter(current.values()), None)
+    if first is None:
+        raise SpecError("model", "no MoE layers", "has no experts to migrate", "migrate a Mixture-of-Experts model")
+    for n, p in wanted.items():
+        p.check(num_experts=first.num_experts, ep=first.ep, key=f"placement of layer {n}")
+    plan = plan_migration({n: p.ranks for n, p in current.items()},
+                          {n: wanted.get(n, current[n]).ranks for n in layers},
+                          num_experts=first.num_experts, ep=first.ep)
+    resolve = None
+    if move_optimizer:
+        params = [p for layer in layers.values() for e in _local_experts(layer, layer.layer_number)
+                  for p in e.parameters()]
+        resolve = optimizer_state(optimizer, params)
+    number0 = next(iter(layers))
+    group = _dispatcher(layers[number0], number0).ep_group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    me = dist.get_rank(group)
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    sent, received = _exchange(plan, layers, resolve, group, ranks, me, timeout)
+    dist.barrier(group=group)
+    seconds = time.perf_counter() - start
+    placements = {n: ExpertPlacement(num_experts=first.num_experts, ep=first.ep, ranks=dict(plan.target)[n])
+                  for n in layers}
+    for n, p in placements.items():
+        _dispatcher(layers[n], n).set_placement(None if p.is_default else p)
+    return MigrationReport(plan=plan, sent_bytes=sent, received_bytes=received, seconds=seconds,
+                           placements=placements)
+
+
+def _exchange(plan: MigrationPlan, layers: dict[int, Any], resolve: Resolver | None, group: Any,
+              ranks: tuple[int, ...], me: int, timeout: timedelta) -> tuple[int, int]:
+    """Pack, exchange point-to-point, unpack (module docstring); (bytes sent, bytes received)."""
+    def tensors(layer: int, local: int) -> list[torch.Tensor]:
+        return _tensors(_local_experts(layers[layer], layer)[local], resolve)
+
+    outgoing: dict[int, list[torch.Tensor]] = {}
+    incoming: dict[int, list[list[torch.Tensor]]] = {}
+    local: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+    for m in plan.moves:  # sorted by (layer, expert): the same order on both ends of a pair
+        if m.src_rank == me and m.dst_rank == me:
+            local.append((_pack(tensors(m.layer, m.src_local)), tensors(m.layer, m.dst_local)))
+        elif m.src_rank == me:
+            outgoing.setdefault(m.dst_rank, []).append(_pack(tensors(m.layer, m.src_local)))
+        elif m.dst_rank == me:
+            incoming.setdefault(m.src_rank, []).append(tensors(m.layer, m.dst_local))
+    buffers = {peer: torch.cat(parts) for peer, parts in outgoing.items()}
+    inbox = {peer: torch.empty(sum(_nbytes(ts) for ts in parts), dtype=torch.uint8)
+             for peer, parts in incoming.items()}
+    works = []
+    for peer, buf in inbox.items():
+        what = _op("receive", ranks, me, peer, buf.numel())
+        works.append((timeouts.launch(what, lambda b=buf, p=peer: dist.irecv(b, src=ranks[p], group=group)), what))
+    for peer, buf in buffers.items():
+        what = _op("send", ranks, me, peer, buf.numel())
+        works.append((timeouts.launch(what, lambda b=buf, p=peer: dist.isend(b, dst=ranks[p], group=group)), what))
+    for work, what in works:
+        timeouts.wait(work, what, timeout)
+    for packed, dst in local:
+        _unpack(packed, dst)
+    for peer, parts in incoming.items():
+        offset = 0
+        for ts in parts:
+            offset += _unpack(inbox[peer][offset:], ts)
+    return sum(b.numel() for b in buffers.values()), sum(b.numel() for b in inbox.values())
+
+
+def _op(direction: str, ranks: tuple[int, ...], me: int, peer: int, nbytes: int) -> timeouts.OpName:
+    other = "to" if direction == "send" else "from"
+    return timeouts.OpName(op=f"expert migration {direction} ({nbytes:,} bytes {other} expert-parallel rank {peer}, "
+                           f"global rank {ranks[peer]})", stage="point-to-point", ranks=(ranks[me], ranks[peer]),
+                           rank=ranks[me])
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+def placements_json(placements: Mapping[int, ExpertPlacement]) -> dict[str, Any]:
+    """``piper placement --out``'s format: num_experts, ep, layers {layer_number: each rank's experts}."""
+    first = next(iter(placements.values()))
+    return {"num_experts": first.num_experts, "ep": first.ep,
+            "layers": {str(n): [list(r) for r in p.ranks] for n, p in sorted(placements.items())}}
+
+
+def write_placements(directory: Path | str, placements: Mapping[int, ExpertPlacement]) -> Path:
+    """Write ``directory/piper_placement.json`` (the placement the checkpoint's slots hold)."""
+    path = Path(directory) / PLACEMENT_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(placements_json(placements)) + "\n")
+    return path
+
+
+def read_placements(path: Path | str) -> dict[int, ExpertPlacement]:
+    """The placements :func:`write_placements` (or ``piper placement --out``) wrote (SpecError naming
+    the file otherwise)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / PLACEMENT_NAME
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SpecError("placement", str(path), f"cannot be read as JSON ({exc})", "pass the file migration or "
+                        "piper placement --out wrote") from None
+    if not isinstance(data, dict) or set(data) != {"num_experts", "ep", "layers"} or not isinstance(data["layers"],
+                                                                                                   dict):
+        raise SpecError("placement", str(path), "must hold exactly num_experts, ep and layers {layer: ranks}",
+                        "pass the file migration or piper placement --out wrote")
+    out = {}
+    for key, ranks in data["layers"].items():
+        if not str(key).isdigit():
+            raise SpecError(f"layers.{key}", key, "is not a layer number", "key layers by Megatron's layer_number")
+        out[int(key)] = ExpertPlacement(num_experts=data["num_experts"], ep=data["ep"], ranks=ranks,
+                                        where=f"{path} layer {key}")
+    return out
+
+
+def apply_placements(chunks: list[torch.nn.Module], placements: Mapping[int, ExpertPlacement]) -> None:
+    """Route each MoE layer by its placement without moving anything: for a model whose slots already
+    hold those experts (a checkpoint saved after a migration, loaded next). Every MoE layer of this
+    rank must be listed."""
+    layers = moe_layers(chunks)
+    missing = sorted(set(layers) - set(placements))
+    if missing:
+        raise SpecError("placement", sorted(placements), f"lists no placement for MoE layers {missing} of this rank",
+                        "pass the piper_placement.json saved with the checkpoint")
+    for n, layer in layers.items():
+        p = placements[n]
+        _dispatcher(layer, n).set_placement(None if p.is_default else p)
