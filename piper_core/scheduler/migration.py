@@ -15,10 +15,13 @@ a placement changes, what a move costs, and whether it pays for itself.
   level between expert-parallel ranks ``a`` and ``b`` is the first whose domain holds both (their
   global ranks ``a*etp`` and ``b*etp`` in Megatron's expert order, :func:`piper_core.timing.topology.
   expert_groups`, taking the first expert-parallel group). Each rank sends one message to each peer
-  it gives experts to and receives one from each it takes from; a rank's levels run concurrently and
-  each direction has its own bandwidth, so a rank takes, over its levels, the largest of
-  ``messages x latency + max(sent, received) / bandwidth``; the move takes its slowest rank, per
+  it gives experts to and receives one from each it takes from; a rank's levels and its two directions
+  run concurrently (bandwidth per direction), so a rank takes the largest, over its levels and
+  directions, of ``messages x latency + bytes / bandwidth``; the move takes its slowest rank, per
   pipeline stage, and the slowest stage (stages and expert-data-parallel replicas move at once).
+* **Candidates**: the optimizer's placement (built from scratch: it may move almost every expert) and
+  :func:`swap_target` (swap descent from the current placement: only the swaps that lower the busiest
+  rank); ``piper placement --current`` prices both and keeps the one with the larger net gain.
 * **Decision** (:func:`decide`): migrate when the predicted step saving under the new placement,
   over the next ``horizon`` steps, exceeds the move's predicted time.
 
@@ -37,6 +40,7 @@ from piper_core.specs.cluster import ClusterSpec, LinkLevel
 from piper_core.specs.compat import stage_layers
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
+from piper_core.specs.routing import Routing
 from piper_core.timing.comm import US
 
 
@@ -116,6 +120,18 @@ def plan_migration(current: dict[int, Placement], target: dict[int, Placement], 
     return MigrationPlan(num_experts=num_experts, ep=ep, moves=tuple(moves), target=tuple(final))
 
 
+def swap_target(routing: Routing, current: dict[int, Placement], ep: int) -> dict[int, Placement]:
+    """Per MoE layer, the placement that swap descent (:func:`piper_core.scheduler.placement.improve`)
+    reaches from ``current`` (Megatron's default where a layer is not given): only the swaps that
+    lower the busiest rank, so few experts move -- against the optimizer's placement, built from
+    scratch, which may move almost every expert for the same busiest rank."""
+    from piper_core.resource.routing import default_placement
+    from piper_core.scheduler.placement import improve
+
+    default = default_placement(routing.num_experts, ep)
+    return {n: improve(counts, current.get(n, default)) for n, counts in routing.layers}
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExpertBytes:
     """Bytes one expert-parallel rank sends to move one expert (memory model's rules)."""
@@ -185,18 +201,23 @@ def move_time(migration: MigrationPlan, model: ModelSpec, plan: ParallelPlan, cl
 
 def _rank_time(rank: int, pairs: dict[tuple[int, int], int], etp: int, cluster: ClusterSpec) -> tuple[float, int]:
     """(seconds, the larger of its sent and received bytes) for one rank of the move."""
-    per_level: dict[str, list[float]] = {}  # name -> [messages, sent, received]
+    per_level: dict[str, list[int]] = {}  # name -> [messages sent, bytes sent, messages received, bytes received]
     links = {link.name: link for link in cluster.links}
     for (a, b), n in pairs.items():
         if rank not in (a, b):
             continue
-        peer = b if rank == a else a
-        row = per_level.setdefault(link_between(rank, peer, etp, cluster).name, [0, 0, 0])
-        row[0] += 1
-        row[1 if rank == a else 2] += n
-    t = max((m * links[name].latency_us * US + max(s, r) / (links[name].bandwidth_gb_per_s * 1e9)
-             for name, (m, s, r) in per_level.items()), default=0.0)
-    io = max((max(s, r) for _, s, r in per_level.values()), default=0)
+        row = per_level.setdefault(link_between(a, b, etp, cluster).name, [0, 0, 0, 0])
+        i = 0 if rank == a else 2
+        row[i] += 1
+        row[i + 1] += n
+
+    def direction(name: str, messages: int, nbytes: int) -> float:
+        link = links[name]
+        return messages * link.latency_us * US + nbytes / (link.bandwidth_gb_per_s * 1e9)
+
+    t = max((max(direction(name, ms, s), direction(name, mr, r)) for name, (ms, s, mr, r) in per_level.items()),
+            default=0.0)
+    io = max((max(s, r) for _, s, _, r in per_level.values()), default=0)
     return t, int(io)
 
 
@@ -244,10 +265,10 @@ def decide(*, horizon: int, step_before_s: float, step_after_s: float, cost: Mov
     return Decision(horizon=horizon, step_before_s=step_before_s, step_after_s=step_after_s, cost=cost)
 
 
-def migration_json(migration: MigrationPlan, decision: Decision) -> dict:
+def migration_json(migration: MigrationPlan, decision: Decision, *, candidate: str = "") -> dict:
     """The ``migration`` key of ``piper placement --current ... --json``."""
     c = decision.cost
-    return {"moves": [{"layer": m.layer, "expert": m.expert, "from": [m.src_rank, m.src_local],
+    return {"candidate": candidate, "moves": [{"layer": m.layer, "expert": m.expert, "from": [m.src_rank, m.src_local],
                        "to": [m.dst_rank, m.dst_local]} for m in migration.crossing],
             "local_slot_changes": len(migration.moves) - len(migration.crossing),
             "bytes_per_expert": {"params": c.bytes_per_expert.params, "weights": c.bytes_per_expert.weights,
