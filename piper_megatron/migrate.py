@@ -65,6 +65,7 @@ class MigrationReport:
     received_bytes: int
     seconds: float
     placements: dict[int, ExpertPlacement]
+    phases: dict[str, float]  # this rank's seconds packing, exchanging (posting to the last wait), unpacking
 
 
 # ---- the model's MoE layers ----------------------------------------------------------------------
@@ -262,22 +263,24 @@ def migrate(chunks: list[torch.nn.Module], optimizer: Any, target: ExpertPlaceme
     group = _dispatcher(layers[number0], number0).ep_group
     ranks = tuple(dist.get_process_group_ranks(group))
     me = dist.get_rank(group)
-    dist.barrier(group=group)
+    _barrier(group, ranks, me, timeout, "before")
     start = time.perf_counter()
-    sent, received = _exchange(plan, layers, resolve, group, ranks, me, timeout)
-    dist.barrier(group=group)
+    sent, received, phases = _exchange(plan, layers, resolve, group, ranks, me, timeout)
+    _barrier(group, ranks, me, timeout, "after")
     seconds = time.perf_counter() - start
     placements = {n: ExpertPlacement(num_experts=first.num_experts, ep=first.ep, ranks=dict(plan.target)[n])
                   for n in layers}
     for n, p in placements.items():
         _dispatcher(layers[n], n).set_placement(None if p.is_default else p)
     return MigrationReport(plan=plan, sent_bytes=sent, received_bytes=received, seconds=seconds,
-                           placements=placements)
+                           placements=placements, phases=phases)
 
 
 def _exchange(plan: MigrationPlan, layers: dict[int, Any], resolve: Resolver | None, group: Any,
-              ranks: tuple[int, ...], me: int, timeout: timedelta) -> tuple[int, int]:
-    """Pack, exchange point-to-point, unpack (module docstring); (bytes sent, bytes received)."""
+              ranks: tuple[int, ...], me: int, timeout: timedelta) -> tuple[int, int, dict[str, float]]:
+    """Pack, exchange point-to-point, unpack (module docstring); (bytes sent, bytes received, the
+    seconds of each phase)."""
+    t0 = time.perf_counter()
     def tensors(layer: int, local: int) -> list[torch.Tensor]:
         return _tensors(_local_experts(layers[layer], layer)[local], resolve)
 
@@ -294,6 +297,7 @@ def _exchange(plan: MigrationPlan, layers: dict[int, Any], resolve: Resolver | N
     buffers = {peer: torch.cat(parts) for peer, parts in outgoing.items()}
     inbox = {peer: torch.empty(sum(_nbytes(ts) for ts in parts), dtype=torch.uint8)
              for peer, parts in incoming.items()}
+    t1 = time.perf_counter()
     works = []
     for peer, buf in inbox.items():
         what = _op("receive", ranks, me, peer, buf.numel())
@@ -303,13 +307,22 @@ def _exchange(plan: MigrationPlan, layers: dict[int, Any], resolve: Resolver | N
         works.append((timeouts.launch(what, lambda b=buf, p=peer: dist.isend(b, dst=ranks[p], group=group)), what))
     for work, what in works:
         timeouts.wait(work, what, timeout)
+    t2 = time.perf_counter()
     for packed, dst in local:
         _unpack(packed, dst)
     for peer, parts in incoming.items():
         offset = 0
         for ts in parts:
             offset += _unpack(inbox[peer][offset:], ts)
-    return sum(b.numel() for b in buffers.values()), sum(b.numel() for b in inbox.values())
+    phases = {"pack": t1 - t0, "exchange": t2 - t1, "unpack": time.perf_counter() - t2}
+    return sum(b.numel() for b in buffers.values()), sum(b.numel() for b in inbox.values()), phases
+
+
+def _barrier(group: Any, ranks: tuple[int, ...], me: int, timeout: timedelta, when: str) -> None:
+    """A barrier of the expert-parallel group, bounded by ``timeout`` (every rank must migrate)."""
+    what = timeouts.OpName(op=f"expert migration barrier ({when} the exchange; every rank of the expert-parallel "
+                           "group must call migrate)", stage="barrier", ranks=ranks, rank=ranks[me])
+    timeouts.wait(timeouts.launch(what, lambda: dist.barrier(group=group, async_op=True)), what, timeout)
 
 
 def _op(direction: str, ranks: tuple[int, ...], me: int, peer: int, nbytes: int) -> timeouts.OpName:

@@ -17,7 +17,8 @@ a placement changes, what a move costs, and whether it pays for itself.
   expert_groups`, taking the first expert-parallel group). Each rank sends one message to each peer
   it gives experts to and receives one from each it takes from; a rank's levels and its two directions
   run concurrently (bandwidth per direction), so a rank takes the largest, over its levels and
-  directions, of ``messages x latency + bytes / bandwidth``; the move takes its slowest rank, per
+  directions, of ``messages x latency + bytes / bandwidth``, plus packing what it sends and unpacking
+  what it receives (:func:`copy_time`); the move takes its slowest rank, per
   pipeline stage, and the slowest stage (stages and expert-data-parallel replicas move at once).
 * **Candidates**: the optimizer's placement (built from scratch: it may move almost every expert) and
   :func:`swap_target` (swap descent from the current placement: only the swaps that lower the busiest
@@ -218,7 +219,16 @@ def _rank_time(rank: int, pairs: dict[tuple[int, int], int], etp: int, cluster: 
     t = max((max(direction(name, ms, s), direction(name, mr, r)) for name, (ms, s, mr, r) in per_level.items()),
             default=0.0)
     io = max((max(s, r) for _, s, _, r in per_level.values()), default=0)
-    return t, int(io)
+    moved = sum(s + r for _, s, _, r in per_level.values())
+    return t + copy_time(moved, cluster), int(io)
+
+
+def copy_time(nbytes: float, cluster: ClusterSpec) -> float:
+    """Packing what a rank sends into one buffer and unpacking what it receives: one read and one write
+    of each byte in device memory (as :func:`piper_core.timing.comm.hierarchical_stages` prices its
+    regrouping copy), before and after the exchange."""
+    acc = cluster.accelerator
+    return 2 * nbytes / (acc.hbm_gb_per_s * 1e9 * acc.hbm_efficiency)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -128,6 +128,8 @@ def run_rank(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         ddps, optimizer = _build(model, plan, 1234, job.get("lr", 1e-2))
         segments, targets = job["segments"], job.get("targets", [])
         losses, reports, step = [], [], 0
+        if job["mode"] == "straggler":  # rank 1 never migrates: rank 0's migration must fail in time
+            return _straggler(rank, ddps, optimizer, _target(targets[0], world))
         for i, n in enumerate(segments):
             if i and job["mode"] != "plain":
                 report = mig.migrate(ddps, optimizer, _target(targets[i - 1], world),
@@ -167,3 +169,21 @@ def _reload(ddps: list[Any], optimizer: Any, model: Any, plan: Any, directory: P
         d.module.load_state_dict(state)
     _load_optimizer(fresh_optimizer, saved["optimizer"])
     return fresh, fresh_optimizer
+
+
+def _straggler(rank: int, ddps: list[Any], optimizer: Any, target: Any) -> dict[str, Any]:
+    import time
+    from datetime import timedelta
+
+    from piper_core.runtime.timeouts import CollectiveError
+    from piper_megatron import migrate as mig
+
+    if rank == 1:
+        time.sleep(6)  # past rank 0's deadline, then leave without migrating
+        return {"error": None}
+    start = time.perf_counter()
+    try:
+        mig.migrate(ddps, optimizer, target, timeout=timedelta(seconds=2))
+    except CollectiveError as exc:
+        return {"error": str(exc), "seconds": time.perf_counter() - start}
+    return {"error": "migrated", "seconds": time.perf_counter() - start}

@@ -98,3 +98,11 @@ def test_the_distributed_optimizer_over_several_expert_data_parallel_ranks_is_re
 
         run_ranks(4, run_rank, {"mode": "migrate", "segments": [1, 1], "targets": [TARGETS[2][0]], "ep": 2,
                                 "dopt": True}, timeout_s=300)
+
+
+def test_a_rank_that_does_not_migrate_fails_the_others_in_time_naming_the_operation_and_ranks():
+    (first, _) = _run(2, "straggler")
+    assert first["seconds"] < 5, first
+    assert first["error"].startswith("expert migration barrier (before the exchange; every rank of the "
+                                     "expert-parallel group must call migrate), barrier, on global ranks [0, 1]: "
+                                     "rank 0 did not complete it within 2 s"), first["error"]

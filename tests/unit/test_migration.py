@@ -14,7 +14,7 @@ from piper_core.errors import SpecError
 from piper_core.presets import load_cluster, load_model
 from piper_core.resource.params import mlp_params
 from piper_core.resource.routing import default_placement
-from piper_core.scheduler.migration import (align, decide, expert_state_bytes, link_between, move_time,
+from piper_core.scheduler.migration import (align, copy_time, decide, expert_state_bytes, link_between, move_time,
                                             plan_migration)
 from piper_core.specs.parallel import ParallelPlan
 
@@ -67,14 +67,17 @@ def test_the_move_time_is_alpha_beta_over_the_link_between_the_ranks():
 
     inside, across = move_time(swap(0, 1), QWEN, plan, H100), move_time(swap(0, 8), QWEN, plan, H100)
     assert inside.experts == across.experts == 2
-    assert inside.seconds == pytest.approx(nvlink.latency_us * 1e-6 + per / (nvlink.bandwidth_gb_per_s * 1e9))
-    assert across.seconds == pytest.approx(ib.latency_us * 1e-6 + per / (ib.bandwidth_gb_per_s * 1e9))
+    copy = copy_time(2 * per, H100)  # pack what it sends, unpack what it receives
+    assert copy == pytest.approx(4 * per / (3350e9 * 0.85))
+    assert inside.seconds == pytest.approx(nvlink.latency_us * 1e-6 + per / (nvlink.bandwidth_gb_per_s * 1e9) + copy)
+    assert across.seconds == pytest.approx(ib.latency_us * 1e-6 + per / (ib.bandwidth_gb_per_s * 1e9) + copy)
     assert dict(across.levels) == {ib.name: 2 * per} and across.busiest_rank_bytes == per
     # two experts from rank 0 to rank 1: one message of twice the bytes
     two = [list(r) for r in layer]
     two[0][:2], two[1][:2] = two[1][:2], two[0][:2]
     cost = move_time(plan_migration({}, {1: tuple(map(tuple, two))}, num_experts=128, ep=16), QWEN, plan, H100)
-    assert cost.seconds == pytest.approx(nvlink.latency_us * 1e-6 + 2 * per / (nvlink.bandwidth_gb_per_s * 1e9))
+    assert cost.seconds == pytest.approx(nvlink.latency_us * 1e-6 + 2 * per / (nvlink.bandwidth_gb_per_s * 1e9)
+                                         + copy_time(4 * per, H100))
     # layers on different pipeline stages move at once: the slowest stage, not the sum
     pp = dataclasses.replace(plan, gpus=32, pp=2)
     last = QWEN.num_layers
