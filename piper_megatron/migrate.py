@@ -213,8 +213,16 @@ def _tensors(expert: Any, resolve: Resolver | None) -> list[torch.Tensor]:
     return out
 
 
+@torch.no_grad()
 def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors])
+    """One byte buffer holding ``tensors`` back to back (typed copies: a uint8 ``cat`` runs byte-wise)."""
+    buffer = torch.empty(_nbytes(tensors), dtype=torch.uint8)
+    offset = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        buffer[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
+        offset += n
+    return buffer
 
 
 def _nbytes(tensors: list[torch.Tensor]) -> int:
@@ -291,10 +299,10 @@ def _exchange(plan: MigrationPlan, layers: dict[int, Any], resolve: Resolver | N
         if m.src_rank == me and m.dst_rank == me:
             local.append((_pack(tensors(m.layer, m.src_local)), tensors(m.layer, m.dst_local)))
         elif m.src_rank == me:
-            outgoing.setdefault(m.dst_rank, []).append(_pack(tensors(m.layer, m.src_local)))
+            outgoing.setdefault(m.dst_rank, []).extend(tensors(m.layer, m.src_local))
         elif m.dst_rank == me:
             incoming.setdefault(m.src_rank, []).append(tensors(m.layer, m.dst_local))
-    buffers = {peer: torch.cat(parts) for peer, parts in outgoing.items()}
+    buffers = {peer: _pack(parts) for peer, parts in outgoing.items()}
     inbox = {peer: torch.empty(sum(_nbytes(ts) for ts in parts), dtype=torch.uint8)
              for peer, parts in incoming.items()}
     t1 = time.perf_counter()
