@@ -106,3 +106,36 @@ def test_a_rank_that_does_not_migrate_fails_the_others_in_time_naming_the_operat
     assert first["error"].startswith("expert migration barrier (before the exchange; every rank of the "
                                      "expert-parallel group must call migrate), barrier, on global ranks [0, 1]: "
                                      "rank 0 did not complete it within 2 s"), first["error"]
+
+
+# ---- no ranks --------------------------------------------------------------------------------------
+
+def test_placement_files_round_trip_and_bad_ones_are_refused(tmp_path):
+    import json
+
+    from piper_core.errors import SpecError
+    from piper_core.runtime.placement import ExpertPlacement
+    from piper_megatron.migrate import read_placements, write_placements
+
+    placements = {1: ExpertPlacement(num_experts=4, ep=2, ranks=((1, 0), (3, 2))), 2: ExpertPlacement.default(4, 2)}
+    assert read_placements(write_placements(tmp_path, placements)) == placements
+    (tmp_path / "bad.json").write_text(json.dumps({"num_experts": 4, "ep": 2, "layers": {"1": [[0, 1], [1, 3]]}}))
+    with pytest.raises(SpecError, match=r"bad.json layer 1: ranks\[1\]=\[1, 3\]: holds expert 1, which rank 0"):
+        read_placements(tmp_path / "bad.json")
+    (tmp_path / "keys.json").write_text(json.dumps({"num_experts": 4, "ranks": [[0, 1], [2, 3]]}))
+    with pytest.raises(SpecError, match=r"must hold exactly num_experts, ep and layers"):
+        read_placements(tmp_path / "keys.json")
+
+
+def test_an_optimizer_whose_state_migration_does_not_know_is_refused():
+    import torch
+
+    from piper_core.errors import SpecError
+    from piper_megatron.migrate import optimizer_state
+
+    with pytest.raises(SpecError, match=r"optimizer='object': is not one whose per-parameter state migration knows"):
+        optimizer_state(object(), [torch.nn.Parameter(torch.zeros(2))])
+    adam = torch.optim.Adam([p := torch.nn.Parameter(torch.zeros(2))])
+    p.grad = torch.ones(2)
+    adam.step()
+    assert sorted(optimizer_state(adam, [p])(p)) == ["exp_avg", "exp_avg_sq", "step"]
