@@ -8,7 +8,7 @@ the same job without migration within :data:`TOL` (fp32 training; measured: bit-
 with Piper's FP32Adam, Megatron's DistributedOptimizer and bf16 with fp32 master weights).
 
 Controls (a test that cannot fail is a defect): migrating the weights and gradients without the
-optimizer state gives different losses after the first migration (measured 5e-3 .. 2e-2), with the
+optimizer state gives different losses after the first migration (measured 2.6e-3 on losses near 7), with the
 host Adam and with the distributed optimizer; a checkpoint saved after the migrations and loaded into
 a fresh model without its placement file gives different losses.
 
@@ -25,7 +25,7 @@ pytest.importorskip("megatron.core", reason="the Megatron-Core tier needs megatr
 pytestmark = pytest.mark.megatron
 
 TOL = 1e-6  # on losses of about 7: relative 1.4e-7; measured 0.0
-CONTROL = 1e-3  # a control must differ by more than this (measured 5e-3 .. 2e-2)
+CONTROL = 1e-3  # a control must differ by more than this (measured 2.6e-3 and 5.4e-3)
 SEGMENTS = [2, 2, 2]
 TARGETS = {2: [{"ranks": [[5, 2, 7, 0], [3, 6, 1, 4]]},
                {"layers": {"1": [[0, 1, 2, 3], [4, 5, 6, 7]], "2": [[4, 1, 2, 3], [0, 5, 6, 7]]}}],
