@@ -81,7 +81,8 @@ def rank_main(info: Any, job: dict[str, Any]) -> dict[str, Any]:
             grad_reduce_in_fp32=plan.precision == "bf16"), c) for c in chunks]
         chunks[0].config.finalize_model_grads_func = finalize_model_grads
         optimizer = host_optimizer([p for d in ddps for p in d.parameters()], plan, lr=1e-3)
-        batch = torch.randint(0, model.vocab_size, (1, model.seq_length + 1), generator=torch.Generator().manual_seed(1))
+        g = torch.Generator().manual_seed(1)
+        batch = torch.randint(0, model.vocab_size, (1, model.seq_length + 1), generator=g)
         positions = torch.arange(model.seq_length).unsqueeze(0)
 
         def forward_step(data: Any, module: Any):
