@@ -13,9 +13,12 @@ for every parameter of that local expert, in one fixed order:
   the fp32 master weight where the optimizer keeps one -- Piper's host ``FP32Adam`` and
   ``MixedPrecisionAdam`` (piper_megatron/train.py), Megatron-Core's ``FP32Optimizer``,
   ``Float16OptimizerWithFloat16Params`` and ``ChainedOptimizer``, a plain ``torch.optim`` optimizer,
-  and Megatron-Core's ``DistributedOptimizer`` where every rank holds its experts' whole state
-  (expert data-parallel size 1; with a larger one the shard of an expert depends on its local slot,
-  which a move may change: refused, by name).
+  and Megatron-Core's ``DistributedOptimizer``. With an expert data-parallel size above 1 the
+  distributed optimizer holds on each expert data-parallel rank a piece of an expert's state whose
+  bounds depend on the expert's local slot, which a move may change: each rank first assembles the
+  whole state of the experts it gives away (zeros but its piece, one all-reduce over the expert
+  data-parallel group), the whole states move, and each rank writes its new piece back
+  (:func:`_unshard`, :func:`_reshard`). Its precision-aware variant is refused, by name.
 
 Every rank sends one byte buffer to each peer it gives experts to and receives one from each it takes
 from (point-to-point over the expert-parallel group, each wait bounded by ``timeout``; a failure is a
@@ -181,11 +184,9 @@ def _distributed(optimizer: Any, p: torch.nn.Parameter) -> Callable[[Any], dict[
     group = getattr(optimizer, "data_parallel_group", None)
     size = dist.get_world_size(group) if group is not None else 1
     if getattr(p, "allreduce", True) is False and size > 1:
-        raise SpecError("DistributedOptimizer", f"expert data-parallel size {size}", "shards each expert's "
-                        "optimizer state over the expert data-parallel ranks by its position in the gradient buffer, "
-                        "which a move to another local slot changes; migration moves whole states only",
-                        "migrate with expert data-parallel size 1 (ep = the data-parallel size), or without "
-                        "--use-distributed-optimizer")
+        raise SpecError("DistributedOptimizer", f"expert data-parallel size {size}", "holds a piece of each "
+                        "expert's state per expert data-parallel rank; optimizer_state returns whole states only",
+                        "call migrate(), which assembles the pieces over the expert data-parallel group first")
     if p not in optimizer.model_param_group_index_map:
         return None
 
@@ -196,6 +197,76 @@ def _distributed(optimizer: Any, p: torch.nn.Parameter) -> Callable[[Any], dict[
             tensors["main_param"] = main
         return tensors
     return state
+
+
+# ---- the distributed optimizer over several expert data-parallel ranks -------------------------------
+
+def _sharded(optimizer: Any) -> list[Any]:
+    """Megatron's DistributedOptimizers (chained or not) that shard expert parameters over more than
+    one expert data-parallel rank: each rank holds a piece of an expert's state whose bounds depend on
+    the expert's local slot, so a move to another slot needs the whole state (:func:`_unshard`)."""
+    out = []
+    for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        group = getattr(o, "data_parallel_group", None)
+        if type(o).__name__ == "DistributedOptimizer" and group is not None and dist.get_world_size(group) > 1 and \
+                any(getattr(p, "allreduce", True) is False for p in o.model_param_gbuf_map):
+            if getattr(o.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+                raise SpecError("use_precision_aware_optimizer", True, "keeps the distributed optimizer's state "
+                                "scaled in lower precision, which migration does not unscale",
+                                "migrate without --use-precision-aware-optimizer")
+            out.append(o)
+    return out
+
+
+def _shard_keys(p: torch.nn.Parameter) -> tuple[str, ...]:
+    """Adam's m and v, and the fp32 main parameter where it is not a view of an fp32 weight."""
+    return ("exp_avg", "exp_avg_sq") + (("param",) if p.dtype != torch.float32 else ())
+
+
+def _unshard(optimizers: list[Any], params: list[torch.nn.Parameter],
+             timeout: timedelta) -> dict[int, dict[str, torch.Tensor]]:
+    """``id(p)`` -> whole fp32 state tensors of ``p`` (``main_param`` for the main parameter): every
+    expert data-parallel rank writes the piece it holds into zeros, then one all-reduce (sum) over the
+    expert data-parallel group (each element is held by exactly one rank; a rank that holds no piece
+    of ``p`` has it in no map, so every rank sizes the buffer from ``params`` alone)."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    flat = torch.zeros(sum(p.numel() * len(_shard_keys(p)) for p in params), dtype=torch.float32)
+    offset = 0
+    for p in params:
+        holder = next((o for o in optimizers if p in o.model_param_group_index_map), None)
+        state = holder._get_main_param_and_optimizer_states(p) if holder is not None else {}
+        piece = holder._get_model_param_range_map(p)["param"] if holder is not None else None
+        views = {}
+        for key in _shard_keys(p):
+            full = flat[offset:offset + p.numel()]
+            if piece is not None and key in state:
+                full[piece.start:piece.end].copy_(state[key].detach().view(-1))
+            views["main_param" if key == "param" else key] = full.view(p.shape)
+            offset += p.numel()
+        out[id(p)] = views
+    group = optimizers[0].data_parallel_group
+    members = tuple(dist.get_process_group_ranks(group))
+    what = timeouts.OpName(op=f"expert migration all-reduce (the moved experts' distributed optimizer state, "
+                           f"{flat.numel() * 4:,} bytes)", stage="expert data-parallel group", ranks=members,
+                           rank=dist.get_rank())
+    timeouts.wait(timeouts.launch(what, lambda: dist.all_reduce(flat, group=group, async_op=True)), what, timeout)
+    return out
+
+
+@torch.no_grad()
+def _reshard(optimizers: list[Any], full: dict[int, dict[str, torch.Tensor]],
+             params: list[torch.nn.Parameter]) -> None:
+    """Write each rank's piece of the (received) whole states back into its optimizer shards."""
+    for o in optimizers:
+        for p in params:
+            if p not in o.model_param_group_index_map:  # this rank holds no piece of p
+                continue
+            state = o._get_main_param_and_optimizer_states(p)
+            piece = o._get_model_param_range_map(p)["param"]
+            for key in _shard_keys(p):
+                if key in state:
+                    state[key].view(-1).copy_(full[id(p)]["main_param" if key == "param" else key]
+                                              .view(-1)[piece.start:piece.end])
 
 
 # ---- packing -------------------------------------------------------------------------------------
@@ -262,18 +333,27 @@ def migrate(chunks: list[torch.nn.Module], optimizer: Any, target: ExpertPlaceme
     plan = plan_migration({n: p.ranks for n, p in current.items()},
                           {n: wanted.get(n, current[n]).ranks for n in layers},
                           num_experts=first.num_experts, ep=first.ep)
-    resolve = None
-    if move_optimizer:
-        params = [p for layer in layers.values() for e in _local_experts(layer, layer.layer_number)
-                  for p in e.parameters()]
-        resolve = optimizer_state(optimizer, params)
     number0 = next(iter(layers))
     group = _dispatcher(layers[number0], number0).ep_group
     ranks = tuple(dist.get_process_group_ranks(group))
     me = dist.get_rank(group)
+    resolve, sharded, full = None, [], {}
+    if move_optimizer:
+        sharded = _sharded(optimizer)
+        if not sharded:
+            params = [p for layer in layers.values() for e in _local_experts(layer, layer.layer_number)
+                      for p in e.parameters()]
+            resolve = optimizer_state(optimizer, params)
     _barrier(group, ranks, me, timeout, "before")
     start = time.perf_counter()
+    if sharded:  # the distributed optimizer over several expert data-parallel ranks: whole states first
+        involved = [p for m in plan.moves if m.src_rank == me
+                    for p in _local_experts(layers[m.layer], m.layer)[m.src_local].parameters()]
+        full = _unshard(sharded, involved, timeout)
+        resolve = lambda p: {k: t for k, t in sorted(full.get(id(p), {}).items())}  # noqa: E731
     sent, received, phases = _exchange(plan, layers, resolve, group, ranks, me, timeout)
+    if sharded:
+        _reshard(sharded, full, involved)
     _barrier(group, ranks, me, timeout, "after")
     seconds = time.perf_counter() - start
     placements = {n: ExpertPlacement(num_experts=first.num_experts, ep=first.ep, ranks=dict(plan.target)[n])

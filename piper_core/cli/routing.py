@@ -218,8 +218,9 @@ def add_placement_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--capacity-factor", metavar="F", help="MoE capacity factor, or 'none' (dropless)")
     p.add_argument("--out", metavar="FILE", help="write the placement as JSON (piper predict --placement reads it)")
     p.add_argument("--current", metavar="FILE", help="the placement the job runs now (a placement file; layers not "
-                   "listed: Megatron's default): price migrating from it to the optimised placement; needs "
-                   "--parallel, --gpus, --cluster and --horizon")
+                   "listed: Megatron's default): price moving from it to a better placement (swaps from it, or the "
+                   "optimizer's, whichever gains more net of the move); needs --parallel, --gpus, --cluster and "
+                   "--horizon")
     p.add_argument("--horizon", type=int, metavar="N", help="steps the new placement would run: migrate only when "
                    "its predicted saving over N steps exceeds the predicted move (docs/migration.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

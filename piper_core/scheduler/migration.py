@@ -8,9 +8,9 @@ a placement changes, what a move costs, and whether it pays for itself.
 * **Bytes per expert** (:func:`expert_state_bytes`): one expert's parameters
   (:func:`piper_core.resource.params.mlp_params` at the plan's etp) times the bytes per parameter of
   the memory model (:func:`piper_core.resource.memory._state_bytes`: weights, the DDP gradient buffer,
-  Adam's m and v and the fp32 master weights where the plan keeps them; with the distributed
-  optimizer each expert-data-parallel rank moves its 1/edp shard of the optimizer state, all in
-  parallel). The step's transient fp32 gradient copy is not state and does not move.
+  Adam's m and v and the fp32 master weights where the plan keeps them). The whole state moves, with
+  the distributed optimizer too: its pieces are first assembled over the expert data-parallel ranks
+  (:func:`unshard_time`). The step's transient fp32 gradient copy is not state and does not move.
 * **Time** (:func:`move_time`): alpha-beta per link level (as :mod:`piper_core.timing.comm`). The
   level between expert-parallel ranks ``a`` and ``b`` is the first whose domain holds both (their
   global ranks ``a*etp`` and ``b*etp`` in Megatron's expert order, :func:`piper_core.timing.topology.
@@ -31,6 +31,7 @@ Pure Python (no torch): the runtime half is :mod:`piper_megatron.migrate`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from piper_core.errors import SpecError
@@ -42,7 +43,8 @@ from piper_core.specs.compat import stage_layers
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.specs.routing import Routing
-from piper_core.timing.comm import US
+from piper_core.timing.comm import US, ring
+from piper_core.timing.topology import expert_groups
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,7 +142,7 @@ class ExpertBytes:
     params: int       # parameters of one expert (at the plan's etp)
     weights: int
     gradients: int    # the DDP gradient buffer's view (main_grad)
-    optimizer: int    # Adam m, v (+ fp32 master weights where kept); the 1/edp shard with dist_opt
+    optimizer: int    # Adam m, v (+ fp32 master weights where kept): the whole state, dist_opt or not
 
     @property
     def total(self) -> int:
@@ -152,7 +154,8 @@ def expert_state_bytes(model: ModelSpec, plan: ParallelPlan) -> ExpertBytes:
     if not model.is_moe:
         raise SpecError("model", model.name, "has no experts to migrate", "give a Mixture-of-Experts model")
     n = mlp_params(model, model.moe_ffn_hidden_size, plan.etp_size)
-    one = _state_bytes(ParamCount(expert=n), plan)
+    # whole states move (with the distributed optimizer too: assembled first, see unshard_time)
+    one = _state_bytes(ParamCount(expert=n), dataclasses.replace(plan, distributed_optimizer=False))
     if plan.optimizer_offload_fraction:
         raise SpecError("optimizer_offload_fraction", plan.optimizer_offload_fraction, "migration moves optimizer "
                         "state between GPUs; an offloaded share lives on the host", "price a plan without offload")
@@ -187,7 +190,7 @@ def move_time(migration: MigrationPlan, model: ModelSpec, plan: ParallelPlan, cl
         by_stage.setdefault(stage_of.get(m.layer, 0), []).append(m)
     seconds, busiest = 0.0, 0
     level_bytes: dict[str, int] = {link.name: 0 for link in cluster.links}
-    for moves in by_stage.values():
+    for stage, moves in by_stage.items():
         pairs: dict[tuple[int, int], int] = {}
         for m in moves:
             pairs[(m.src_rank, m.dst_rank)] = pairs.get((m.src_rank, m.dst_rank), 0) + per.total
@@ -195,6 +198,8 @@ def move_time(migration: MigrationPlan, model: ModelSpec, plan: ParallelPlan, cl
             level_bytes[link_between(a, b, plan.etp_size, cluster).name] += n
         for r in range(migration.ep):
             t, io = _rank_time(r, pairs, plan.etp_size, cluster)
+            held = sum(1 for m in migration.moves if m.src_rank == r and stage_of.get(m.layer, 0) == stage)
+            t += unshard_time(held, per, plan, cluster)
             seconds, busiest = max(seconds, t), max(busiest, io)
     return MoveCost(seconds=seconds, experts=len(migration.crossing), bytes_per_expert=per,
                     busiest_rank_bytes=busiest, levels=tuple((k, v) for k, v in level_bytes.items() if v))
@@ -221,6 +226,16 @@ def _rank_time(rank: int, pairs: dict[tuple[int, int], int], etp: int, cluster: 
     io = max((max(s, r) for _, s, _, r in per_level.values()), default=0)
     moved = sum(s + r for _, s, _, r in per_level.values())
     return t + copy_time(moved, cluster), int(io)
+
+
+def unshard_time(experts: int, per: ExpertBytes, plan: ParallelPlan, cluster: ClusterSpec) -> float:
+    """With the distributed optimizer over ``edp > 1`` ranks, each rank first assembles the whole
+    optimizer state of the ``experts`` it gives away (one all-reduce of that state over the expert
+    data-parallel group: each rank holds a piece whose bounds depend on the expert's local slot,
+    which a move changes), and writes its new piece back after the exchange (a local copy). 0 otherwise."""
+    if not plan.distributed_optimizer or plan.edp == 1 or experts == 0:
+        return 0.0
+    return ring(expert_groups(plan)["edp"], experts * per.optimizer, cluster, passes=2)
 
 
 def copy_time(nbytes: float, cluster: ClusterSpec) -> float:

@@ -15,7 +15,9 @@ from piper_core.presets import load_cluster, load_model
 from piper_core.resource.params import mlp_params
 from piper_core.resource.routing import default_placement
 from piper_core.scheduler.migration import (align, copy_time, decide, expert_state_bytes, link_between, move_time,
-                                            plan_migration)
+                                            plan_migration, unshard_time)
+from piper_core.timing.comm import ring
+from piper_core.timing.topology import expert_groups
 from piper_core.specs.parallel import ParallelPlan
 
 QWEN = load_model("qwen3-30b-a3b")  # 128 experts, bf16
@@ -44,7 +46,7 @@ def test_layers_not_given_are_the_default_and_bad_placements_are_refused():
     ({}, 2, 4, 12),                                           # bf16: fp32 grads, fp32 master + m + v
     ({"grad_reduce_in_bf16": True}, 2, 2, 12),
     ({"precision": "fp32"}, 4, 4, 8),                         # fp32: Adam steps the parameter, m + v only
-    ({"distributed_optimizer": True, "gpus": 32}, 2, 4, 12 / 2),  # the 1/edp shard (edp = 2)
+    ({"distributed_optimizer": True, "gpus": 32}, 2, 4, 12),  # whole states move (assembled over edp first)
 ])
 def test_bytes_per_expert_follow_the_memory_models_rules(changes, weights, grads, optimizer):
     plan = ParallelPlan(**{"gpus": 16, "ep": 16, "global_batch_size": 256, **changes})
@@ -83,6 +85,19 @@ def test_the_move_time_is_alpha_beta_over_the_link_between_the_ranks():
     last = QWEN.num_layers
     both = plan_migration({}, {1: swap(0, 1).target[0][1], last: swap(0, 1).target[0][1]}, num_experts=128, ep=16)
     assert move_time(both, QWEN, pp, H100).seconds == pytest.approx(move_time(swap(0, 1), QWEN, pp, H100).seconds)
+
+
+def test_the_distributed_optimizer_over_several_ranks_first_assembles_the_moved_state():
+    plan = ParallelPlan(gpus=16, ep=16, global_batch_size=256)
+    dopt = ParallelPlan(gpus=32, ep=16, global_batch_size=256, distributed_optimizer=True)  # edp 2
+    layer = [list(r) for r in default_placement(128, 16)]
+    layer[0][:2], layer[1][:2] = layer[1][:2], layer[0][:2]
+    move = plan_migration({}, {1: tuple(map(tuple, layer))}, num_experts=128, ep=16)
+    per = expert_state_bytes(QWEN, dopt)
+    extra = unshard_time(2, per, dopt, H100)  # each rank gives 2 experts away
+    assert extra > 0 and extra == pytest.approx(ring(expert_groups(dopt)["edp"], 2 * per.optimizer, H100, passes=2))
+    assert move_time(move, QWEN, dopt, H100).seconds == pytest.approx(move_time(move, QWEN, plan, H100).seconds + extra)
+    assert unshard_time(2, per, dataclasses.replace(dopt, distributed_optimizer=False), H100) == 0.0
 
 
 def test_the_decision_migrates_only_when_the_gain_over_the_horizon_exceeds_the_move():
