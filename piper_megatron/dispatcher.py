@@ -222,7 +222,8 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
             raise SpecError("PiperTokenDispatcher", "unbound", "needs a comm and settings",
                             "build layers after piper_megatron.dispatcher.install_dispatcher(comm, settings)")
         self._check(binding, config)
-        self._logical_at = _logical_at(binding.settings.placement, num_experts=self.num_experts, ep=self.ep_size)
+        self.placement: ExpertPlacement | None = None  # where this layer's logical experts live (None: default)
+        self.set_placement(binding.settings.placement)
         self._meta: DispatchMeta | None = None
         self._counts: torch.Tensor | None = None  # this step's [etp, W, E] counts, kept until it is planned
         self._shared: Any = None  # the shared expert when Megatron overlaps it (set_shared_experts)
@@ -248,6 +249,13 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
                     raise SpecError(key, True, "the pipelined all-to-all fuses dispatch, experts and combine, "
                                     "which Megatron's own a2a/wgrad overlap splits into schedule nodes",
                                     f"turn {key} off, or use an unpipelined all-to-all (chunks 1)")
+
+    def set_placement(self, placement: ExpertPlacement | None) -> None:
+        """Route this layer's tokens by ``placement`` from the next step on (SpecError when it is for
+        another expert count or ep). The slots must then hold their logical experts' weights:
+        :func:`piper_megatron.migrate.migrate` moves them and calls this."""
+        self._logical_at = _logical_at(placement, num_experts=self.num_experts, ep=self.ep_size)
+        self.placement = placement
 
     # ---- metadata ----------------------------------------------------------------------------
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:

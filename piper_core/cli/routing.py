@@ -24,6 +24,7 @@ from piper_core.specs.routing import load_routing
 HELP_ROUTING = ("tokens per expert per MoE layer: a histogram (YAML/JSON: num_experts, layers: {layer_number: "
                 "[counts]}, optional default) or the JSON-lines files of --piper-trace (all ranks'); docs/routing.md")
 MAX_LAYER_ROWS = 16
+MAX_MOVES_SHOWN = 6  # per layer, in the text of piper placement --current
 
 
 def add_routing_args(p: argparse.ArgumentParser, *, placement: bool) -> None:
@@ -186,6 +187,12 @@ def add_placement_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shared", action="store_true",
                    help="one placement for every MoE layer, the file Megatron's --piper-placement and the DeepSpeed "
                         "block's \"placement\" run ({num_experts, ep, ranks}); default: one per layer")
+    p.add_argument("--current", metavar="FILE", help="the placement the job runs now (a placement file; layers not "
+                   "listed: Megatron's default): price moving from it to a better placement (swaps from it, or the "
+                   "optimizer's, whichever gains more net of the move); needs --parallel, --gpus, --cluster and "
+                   "--horizon")
+    p.add_argument("--horizon", type=int, metavar="N", help="steps the new placement would run: migrate only when "
+                   "its predicted saving over N steps exceeds the predicted move (docs/migration.md)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_placement)
 
@@ -206,10 +213,18 @@ def run_placement(args: argparse.Namespace) -> int:
     ep = plan.ep if plan is not None else args.ep
     if ep is None:
         raise SpecError("--ep", None, "the expert-parallel size is required", "give --ep N or --parallel with ep=N")
+    _check_migration_args(args, plan)
     if args.shared:
+        if args.current:
+            raise SpecError("--shared", True, "writes one placement for every layer from scratch; --current prices a "
+                            "migration per layer", "drop --shared or --current")
         return _run_shared(args, model, routing, ep, plan)
     found = optimize(routing, ep)
     data = placement_json(found, num_experts=model.num_experts, ep=ep)
+    migration = None
+    if args.current:
+        migration = _migration(args, model, routing, plan, found)
+        data = migration[0]["target"]
     if args.out:
         from pathlib import Path
         Path(args.out).write_text(placement_text(data))
@@ -223,9 +238,13 @@ def run_placement(args: argparse.Namespace) -> int:
                "placement": data}
         if priced is not None:
             out["predicted"] = {"default": routed_to_json(priced[0]), "optimized": routed_to_json(priced[1])}
+        if migration is not None:
+            out["migration"] = migration[0]
         print(json.dumps(out, indent=2))
     else:
         print("\n".join(_placement_text(model, routing, ep, found, priced, args.out)))
+        if migration is not None:
+            print("\n".join(migration[1]))
     return 0
 
 
@@ -268,6 +287,74 @@ def _run_shared(args: argparse.Namespace, model, routing, ep: int, plan) -> int:
     if args.out:
         print(f"written to {args.out} (Megatron: --piper-placement {args.out}; DeepSpeed: \"placement\": \"{args.out}\")")
     return 0
+
+
+def _check_migration_args(args: argparse.Namespace, plan) -> None:
+    if args.horizon is not None and not args.current:
+        raise SpecError("--horizon", args.horizon, "prices a migration from the current placement",
+                        "add --current FILE (the placement the job runs now)")
+    if not args.current:
+        return
+    if plan is None or not (args.cluster or args.profile):
+        raise SpecError("--current", args.current, "prices the move and the step on a plan and cluster",
+                        "add --parallel ... --gpus N --cluster C (or --profile)")
+    if args.horizon is None:
+        raise SpecError("--current", args.current, "decides only with a horizon (the steps the new placement runs)",
+                        "add --horizon N, e.g. --horizon 100")
+
+
+def _migration(args: argparse.Namespace, model, routing, plan, found) -> tuple[dict, list[str]]:
+    """(the ``migration`` JSON, the text lines) of moving from ``--current`` to the optimised placement."""
+    from piper_core.cli.parse import target_cluster
+    from piper_core.scheduler.migration import decide, migration_json, move_time, plan_migration, swap_target
+
+    cluster = target_cluster(args)
+    current = load_placement(args.current, model, plan.ep)
+    before = predict_routed(model, cluster, plan, routing, current).prediction.time.step
+    candidates = {"swaps from --current": swap_target(routing, current, plan.ep),
+                  "the optimizer's placement": {p.layer: p.placement for p in found}}
+    priced = {}
+    for name, target in candidates.items():
+        migration = plan_migration(current, target, num_experts=model.num_experts, ep=plan.ep)
+        after = predict_routed(model, cluster, plan, routing, dict(migration.target)).prediction.time.step
+        cost = move_time(migration, model, plan, cluster)
+        priced[name] = (migration, decide(horizon=args.horizon, step_before_s=before, step_after_s=after, cost=cost))
+    chosen = max(priced, key=lambda k: (priced[k][1].gain_s - priced[k][1].cost.seconds, k == "swaps from --current"))
+    migration, decision = priced[chosen]
+    cost = decision.cost
+    b = cost.bytes_per_expert
+    others = "; ".join(f"{k}: {d.cost.experts} moves, step {d.step_after_s:.4g} s, move {d.cost.seconds:.4g} s"
+                       for k, (_, d) in priced.items())
+    lines = [f"candidates ({others}): chose {chosen} (the larger gain net of the move)",
+             f"migration from {args.current}: {cost.experts} experts change rank in "
+             f"{len({m.layer for m in migration.crossing})} layers (+ {len(migration.moves) - cost.experts} slot "
+             f"changes within a rank); per expert {b.params:,} parameters, {b.total / 2**20:.4g} MiB moved "
+             f"(weights {b.weights / 2**20:.4g}, gradients {b.gradients / 2**20:.4g}, optimizer "
+             f"{b.optimizer / 2**20:.4g})"]
+    rows: list[tuple[list[int], str]] = []
+    for layer, moves in migration.by_layer().items():
+        crossing = [m for m in moves if m.crosses]
+        if not crossing:
+            continue
+        text = ", ".join(f"expert {m.expert} rank {m.src_rank}->{m.dst_rank}" for m in crossing) \
+            if len(crossing) <= MAX_MOVES_SHOWN else f"{len(crossing)} experts change rank (--json lists them)"
+        if rows and rows[-1][1] == text:
+            rows[-1][0].append(layer)
+        else:
+            rows.append(([layer], text))
+    for layers, text in rows[:MAX_LAYER_ROWS]:
+        name = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}" if \
+            layers[-1] - layers[0] == len(layers) - 1 else f"{layers[0]},..,{layers[-1]}"
+        lines.append(f"  layer {name}: {text}")
+    if len(rows) > MAX_LAYER_ROWS:
+        lines.append(f"  ... {len(rows) - MAX_LAYER_ROWS} more rows (--json lists every move)")
+    levels = ", ".join(f"{name} {n / 2**20:.4g} MiB" for name, n in cost.levels) or "none"
+    lines += [f"predicted move {cost.seconds:.4g} s (busiest rank {cost.busiest_rank_bytes / 2**20:.4g} MiB; over "
+              f"{levels}); step {before:.4g} s -> {after:.4g} s",
+              f"decision: {decision.reason()}"]
+    if args.out:
+        lines.append(f"{args.out} holds the target aligned to --current (experts that stay on a rank keep their slot)")
+    return migration_json(migration, decision, candidate=chosen), lines
 
 
 def placement_text(data: dict) -> str:

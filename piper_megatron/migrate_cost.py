@@ -1,0 +1,188 @@
+"""Measure what moving experts costs, against the model's prediction (issue 17, deliverable 3).
+
+    python -m piper_megatron.migrate_cost --ranks 2 --experts 1,2,4 --hidden 512 --ffn 2048 [--profile P.yaml]
+
+On ``--ranks`` local CPU ranks (ep = ranks), a Megatron-Core GPTModel with one MoE layer of
+``--num-experts`` experts (SequentialMLP, hidden ``--hidden``, expert FFN ``--ffn``), Megatron's DDP,
+Piper's dispatcher and the host Adam trains one step (so that the optimizer state exists); then, for
+each ``k`` of ``--experts``, :func:`piper_megatron.migrate.migrate` swaps ``k`` experts of rank 0 with
+``k`` of rank 1 and back, ``--repeats`` times. The measured time is the migration's own (packing,
+the point-to-point exchange, unpacking; between two barriers of the expert-parallel group), the
+median over the repeats; the prediction is :func:`piper_core.scheduler.migration.move_time` for the
+same move on ``--cluster`` (default ``cpu-local``) or a calibrated ``--profile``. Prints one row per
+``k``: bytes per expert, measured and predicted seconds, and the error. Timings on a shared machine
+are noisy: run it on a quiet one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from piper_core.specs.model import ModelSpec
+from piper_core.specs.parallel import ParallelPlan
+
+
+def model_and_plan(ranks: int, hidden: int, ffn: int, num_experts: int, precision: str) -> tuple[ModelSpec,
+                                                                                                    ParallelPlan]:
+    from piper_core.validate.cases import VAL_MODEL
+
+    model = dataclasses.replace(VAL_MODEL, name=f"migrate-{hidden}h-{ffn}f-{num_experts}e", num_layers=1,
+                                hidden_size=hidden, ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn,
+                                num_experts=num_experts, moe_capacity_factor=None, seq_length=32)
+    plan = ParallelPlan(gpus=ranks, ep=ranks, micro_batch_size=1, global_batch_size=ranks, precision=precision)
+    return model, plan
+
+
+def swap_placement(num_experts: int, ep: int, k: int) -> tuple[tuple[int, ...], ...]:
+    """The default placement with the first ``k`` experts of ranks 0 and 1 exchanged."""
+    per = num_experts // ep
+    ranks = [list(range(r * per, (r + 1) * per)) for r in range(ep)]
+    ranks[0][:k], ranks[1][:k] = ranks[1][:k], ranks[0][:k]
+    return tuple(map(tuple, ranks))
+
+
+def rank_main(info: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """Target of :func:`piper_core.emulate.run_local`: the rank side (module docstring)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")  # Megatron warns at import about missing TE/Apex
+    import piper_core
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from piper_core.runtime import NodeTopology
+    from piper_core.runtime.placement import ExpertPlacement
+    from piper_megatron.build import gpt_model_chunks
+    from piper_megatron.cpu import install_cpu_training_shims
+    from piper_megatron.dispatcher import DispatchSettings, create_ep_comm, install_dispatcher
+    from piper_megatron.migrate import migrate
+    from piper_megatron.train import _config_overrides, host_optimizer
+
+    install_cpu_training_shims()
+    model, plan = model_and_plan(info.world_size, job["hidden"], job["ffn"], job["num_experts"], job["precision"])
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=plan.ep, expert_tensor_parallel_size=1)
+    patches = None
+    try:
+        comm = create_ep_comm(NodeTopology.uniform(world_size=info.world_size, ranks_per_node=info.ranks_per_node))
+        patches = install_dispatcher(comm, DispatchSettings.from_plan("flat", 1))
+        tensor_parallel.model_parallel_cuda_manual_seed(1)
+        torch.manual_seed(1)
+        chunks = gpt_model_chunks(model, plan, device="cpu", **_config_overrides())
+        ddps = [DistributedDataParallel(c.config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=plan.precision == "bf16"), c) for c in chunks]
+        chunks[0].config.finalize_model_grads_func = finalize_model_grads
+        optimizer = host_optimizer([p for d in ddps for p in d.parameters()], plan, lr=1e-3)
+        g = torch.Generator().manual_seed(1)
+        batch = torch.randint(0, model.vocab_size, (1, model.seq_length + 1), generator=g)
+        positions = torch.arange(model.seq_length).unsqueeze(0)
+
+        def forward_step(data: Any, module: Any):
+            b = next(data)
+            return module(b[:, :-1], positions, None, labels=b[:, 1:]), lambda t: (t.float().mean(), {})
+
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([batch]), model=ddps,
+                                    num_microbatches=1, seq_length=model.seq_length, micro_batch_size=1,
+                                    forward_only=False)
+        optimizer.step()
+        default = ExpertPlacement.default(model.num_experts, plan.ep)
+        rows = []
+        for k in job["experts"]:
+            swapped = ExpertPlacement(num_experts=model.num_experts, ep=plan.ep,
+                                      ranks=swap_placement(model.num_experts, plan.ep, k))
+            seconds, sent, phases = [], 0, []
+            for _ in range(job["repeats"]):
+                for target in (swapped, default):
+                    report = migrate(ddps, optimizer, target)
+                    seconds.append(report.seconds)
+                    phases.append(report.phases)
+                    sent = max(sent, report.sent_bytes)
+            rows.append({"k": k, "seconds": seconds, "sent_bytes": sent, "phases": phases})
+        return {"rank": info.rank, "rows": rows, "piper_core": piper_core.__file__}
+    finally:
+        if patches is not None:
+            patches.restore()
+        parallel_state.destroy_model_parallel()
+
+
+def measure(*, ranks: int, experts: list[int], hidden: int, ffn: int, num_experts: int, precision: str,
+            repeats: int, cluster: Any, timeout_s: float = 600.0) -> dict[str, Any]:
+    """Measured and predicted seconds per ``k`` (module docstring)."""
+    from piper_core.emulate import run_local
+    from piper_core.errors import SpecError
+    from piper_core.scheduler.migration import expert_state_bytes, move_time, plan_migration
+
+    model, plan = model_and_plan(ranks, hidden, ffn, num_experts, precision)
+    per = num_experts // ranks
+    if ranks < 2 or num_experts % ranks or any(not 1 <= k <= per for k in experts):
+        raise SpecError("--experts", experts, f"each k must be in 1 .. num_experts / ranks ({per}) on >= 2 ranks",
+                        f"choose k <= {per}, or more --num-experts")
+    job = {"experts": experts, "hidden": hidden, "ffn": ffn, "num_experts": num_experts, "precision": precision,
+           "repeats": repeats}
+    reports = run_local(ranks, "piper_megatron.migrate_cost:rank_main", [job], timeout_s=timeout_s)
+    rows = []
+    for i, k in enumerate(experts):
+        move = plan_migration({}, {1: swap_placement(num_experts, ranks, k)}, num_experts=num_experts, ep=ranks)
+        predicted = move_time(move, model, plan, cluster)
+        # the slowest rank of each migration, then the median over the migrations
+        per_move = [max(r["rows"][i]["seconds"][j] for r in reports) for j in range(2 * repeats)]
+        measured = statistics.median(per_move)
+        rows.append({"k": k, "bytes_per_expert": expert_state_bytes(model, plan).total,
+                     "sent_bytes": reports[0]["rows"][i]["sent_bytes"], "measured_s": measured,
+                     "measured_all_s": per_move, "predicted_s": predicted.seconds,
+                     "error": predicted.seconds / measured - 1 if measured > 0 else None,
+                     "phases_s": {name: statistics.median(ph[name] for r in reports for ph in r["rows"][i]["phases"])
+                                  for name in ("pack", "exchange", "unpack")}})
+    return {"model": model.name, "ranks": ranks, "precision": precision, "cluster": cluster.name,
+            "piper_core": reports[0]["piper_core"], "rows": rows}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from piper_core.errors import SpecError
+    from piper_core.presets import load_cluster
+
+    p = argparse.ArgumentParser(prog="python -m piper_megatron.migrate_cost", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--experts", default="1,2,4", help="k values: experts swapped each way (default 1,2,4)")
+    p.add_argument("--num-experts", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--ffn", type=int, default=2048, help="expert FFN hidden size")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cluster", default="cpu-local", help="cluster preset or YAML for the prediction")
+    p.add_argument("--profile", help="a calibrated profile (piper calibrate) instead of --cluster")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        experts = [int(x) for x in a.experts.split(",")]
+        cluster = load_cluster(a.profile or a.cluster)
+        out = measure(ranks=a.ranks, experts=experts, hidden=a.hidden, ffn=a.ffn, num_experts=a.num_experts,
+                      precision=a.precision, repeats=a.repeats, cluster=cluster)
+    except (SpecError, ValueError) as exc:
+        print(f"migrate_cost: error: {exc}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"expert migration on {out['ranks']} CPU ranks, {out['model']} ({out['precision']}), predicted on "
+          f"{out['cluster']}; piper_core from {out['piper_core']}")
+    print(f"{'k':>3} {'MiB/expert':>11} {'MiB sent/rank':>14} {'measured s':>11} {'predicted s':>12} {'error':>8}"
+          "   median per rank: pack / exchange / unpack s")
+    for r in out["rows"]:
+        error = f"{100 * r['error']:+.1f}%" if r["error"] is not None else "n/a"
+        print(f"{r['k']:>3} {r['bytes_per_expert'] / 2**20:>11.3f} {r['sent_bytes'] / 2**20:>14.3f} "
+              f"{r['measured_s']:>11.4f} {r['predicted_s']:>12.4f} {error:>8}   "
+              + " / ".join(f"{r['phases_s'][n]:.4f}" for n in ("pack", "exchange", "unpack")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
