@@ -101,14 +101,65 @@ def plot_loads(results: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
+def _case(name: str) -> Any:
+    """The Case of a results entry's name (``local-4``, ``emu-2x2-1000mbit``)."""
+    from piper_core.bench.placement import Case
+
+    if name.startswith("local-"):
+        return Case(nodes=1, ranks_per_node=int(name.split("-")[1]))
+    nodes, ranks = name.split("-")[1].split("x")
+    return Case(nodes=int(nodes), ranks_per_node=int(ranks), mbit=float(name.split("-")[2].removesuffix("mbit")))
+
+
+def repredict(results: dict[str, Any], profiles: Path) -> list[str]:
+    """Each case's variants predicted again by this version of the model, from what the run declared
+    (the measured histogram, the plan, the placement) and the case's calibration profile in
+    ``profiles`` (``<case>-fp32.yaml``), beside the declared predictions and the measured medians.
+    The declared figures stay the run's verdict; these say how a later model would have priced it."""
+    from piper_core.bench.placement import WORKLOADS, base_plan
+    from piper_core.calibrate.profile import load_profile
+    from piper_core.resource.predict import predict
+    from piper_core.resource.routing import predict_routed
+    from piper_core.specs.routing import Routing
+
+    load = WORKLOADS[results["workload"]]
+    lines = ["re-predicted by this version of the model (declared: what the run's own version predicted)", "",
+             "| case | variant | measured s | declared predicted s | error | re-predicted s | error | "
+             "re-predicted even s | error |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for entry in results["cases"]:
+        declared = entry.get("declared")
+        if declared is None or "table" not in entry.get("summary", {}):
+            continue
+        cluster = load_profile(profiles / f"{entry['case']}-fp32.yaml")
+        plan = base_plan(_case(entry["case"]), load)
+        hist = declared["histogram"]
+        routing = Routing(num_experts=hist["num_experts"], source=hist["source"],
+                          layers=tuple((int(n), tuple(c)) for n, c in hist["layers"].items()))
+        placed = {n: tuple(tuple(r) for r in declared["placement"]["ranks"]) for n, _ in routing.layers}
+        now = {"stock": predict_routed(load.model, cluster, plan, routing),
+               "piper-default": predict_routed(load.model, cluster, plan, routing),
+               "piper-optimized": predict_routed(load.model, cluster, plan, routing, placed)}
+        even = predict(load.model, cluster, plan).time.step
+        for name, row in entry["summary"]["table"].items():
+            measured, then, again = row["median_s"], row["predicted_s"], now[name].prediction.time.step
+            lines.append(f"| {entry['case']} | {name} | {_s(measured)} | {_s(then)} | {then / measured - 1:+.1%} | "
+                         f"{again:.3f} | {again / measured - 1:+.1%} | {even:.3f} | {even / measured - 1:+.1%} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m piper_core.bench.placement_report",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("results", type=Path)
     p.add_argument("--plot", type=Path, help="write the load plot here")
+    p.add_argument("--repredict", type=Path, metavar="PROFILES",
+                   help="also price every case again with this version of the model, from the run's declared "
+                        "histogram and placement and the calibration profiles in PROFILES (<case>-fp32.yaml)")
     a = p.parse_args(argv)
     results = json.loads(a.results.read_text())
     print(report(results))
+    if a.repredict is not None:
+        print("\n".join(["", *repredict(results, a.repredict)]))
     if a.plot is not None:
         plot_loads(results, a.plot)
     return 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from piper_core.resource.routing import RoutedPrediction, default_placement, load_factor, predict_routed
+from piper_core.resource.routing import RoutedPrediction, default_placement, predict_routed, rank_loads, shared_load
 from piper_core.scheduler.search import Scored, SearchResult, _rank_key, search
 from piper_core.scheduler.space import SearchSpace
 from piper_core.specs.cluster import ClusterSpec
@@ -47,7 +47,8 @@ def search_by_ep(model: ModelSpec, cluster: ClusterSpec, gpus: int, gbs: int, ro
               if model.num_experts % ep == 0}
     result = SearchResult()
     for ep in space.ep:
-        load = max((load_factor(c, placed[ep][n]) for n, c in routing.layers), default=1.0) \
+        share = cluster.accelerator.core_share
+        load = max((shared_load(rank_loads(c, placed[ep][n]), share) for n, c in routing.layers), default=1.0) \
             if ep in placed else model.moe_expert_load_skew
         part = search(with_load(model, load), cluster, gpus, gbs, space=dataclasses.replace(space, ep=(ep,)),
                       progress=progress(ep) if progress else None, **search_kwargs)

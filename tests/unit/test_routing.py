@@ -341,3 +341,19 @@ def test_routing_flags_that_do_not_apply_are_refused(tmp_path, capsys):
     assert main(["predict", "tiny-moe", "--cluster", "cpu-local", "--gpus", "2", "--parallel", "ep=2,mbs=1,gbs=8",
                  "--routing", str(path)]) == 2
     assert "num_experts=128: must equal the model's num_experts (8" in capsys.readouterr().err
+
+
+def test_shared_cores_price_the_busiest_ranks_excess_on_the_freed_cores():
+    """Processor sharing, by hand: loads 84, 17, 14, 16 on 2 cores. All four run at half a core until
+    14 is done (t 28), three at 2/3 until 16 (t 31), two at a core each until 17 (t 32), then 84 alone
+    (t 99). The mean load, 32.75 on each, takes 65.5: the layer is priced at 99 / 65.5 = 1.51 times
+    its even cost, not at the busiest rank's 2.56 (what a core per rank gives)."""
+    from piper_core.resource.routing import shared_load, shared_makespan
+
+    loads = (84.0, 17.0, 14.0, 16.0)
+    assert shared_makespan(loads, 2.0) == pytest.approx(99.0)
+    assert shared_makespan((32.75,) * 4, 2.0) == pytest.approx(65.5)
+    assert shared_load(loads, 0.5) == pytest.approx(99.0 / 65.5)
+    assert shared_load(loads, 1.0) == pytest.approx(84.0 / 32.75)  # a core per rank: the busiest over the mean
+    assert shared_load((10.0, 10.0, 10.0, 10.0), 0.5) == pytest.approx(1.0)
+    assert shared_load((40.0, 0.0, 0.0, 0.0), 0.25) == pytest.approx(1.0)  # one core: the work is the work
