@@ -35,12 +35,32 @@ from piper_core.runtime import timeouts
 from piper_core.runtime.placement import ExpertPlacement
 
 
-def moe_layers(chunks: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
-    """Every Megatron ``MoELayer`` of the model chunks, in module order (the same on every rank of an
-    expert-parallel group: its members hold the same pipeline stage)."""
+def moe_layers(chunks: Iterable[torch.nn.Module]) -> dict[int, Any]:
+    """layer_number -> Megatron ``MoELayer`` of this rank's model chunks (DDP-wrapped or not), in module
+    order (the same on every rank of an expert-parallel group: its members hold the same pipeline stage)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
-    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+    out: dict[int, Any] = {}
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                number = getattr(module, "layer_number", None)
+                if number is None:
+                    raise SpecError("MoELayer.layer_number", None, "is unset, so the layer cannot be named in a "
+                                    "placement", "build the layer inside a TransformerBlock (or call set_layer_number)")
+                out[number] = module
+    return out
+
+
+def local_experts(layer: Any, number: int) -> list[Any]:
+    """MoE layer ``number``'s local experts, one module each (Megatron's ``SequentialMLP``): what placing
+    and migrating experts move."""
+    local = getattr(layer.experts, "local_experts", None)
+    if local is None:
+        raise SpecError(f"layer {number} experts", type(layer.experts).__name__, "hold every local expert in shared "
+                        "tensors; placing and migrating experts move SequentialMLP experts (one module each)",
+                        "turn moe_grouped_gemm off (--moe-grouped-gemm unset; the CPU trainer does)")
+    return list(local)
 
 
 def _biased_gating(gating: Any, bias: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
@@ -52,7 +72,7 @@ def bias_routers(chunks: Iterable[torch.nn.Module], bias: Mapping[int, float]) -
     """Add ``bias[e]`` to logical expert ``e``'s router logit in every MoE layer (a constant, not a
     parameter: it never trains). Returns the number of routers biased."""
     layers = moe_layers(chunks)
-    for layer in layers:
+    for layer in layers.values():
         router = layer.router
         experts = router.config.num_moe_experts
         vector = torch.zeros(experts, dtype=torch.float32)
@@ -70,14 +90,6 @@ def _flat(expert: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for p in expert.parameters()])  # bf16 -> fp32 is exact
 
 
-def _local_experts(layer: torch.nn.Module) -> list[torch.nn.Module]:
-    experts = getattr(layer.experts, "local_experts", None)
-    if experts is None:
-        raise SpecError("experts", type(layer.experts).__name__, "moving experts into their slots reads Megatron's "
-                        "per-expert SequentialMLP", "build the model with moe_grouped_gemm off (the CPU trainer does)")
-    return list(experts)
-
-
 def move_experts(chunks: Iterable[torch.nn.Module], placement: ExpertPlacement, *, group: dist.ProcessGroup,
                  ep_rank: int, ranks: tuple[int, ...], timeout: timedelta) -> int:
     """Load logical expert ``placement.logical_at[s]``'s weights into each of this rank's slots ``s``,
@@ -88,13 +100,14 @@ def move_experts(chunks: Iterable[torch.nn.Module], placement: ExpertPlacement, 
     if placement.is_default:
         return 0
     layers = moe_layers(chunks)
-    for n, layer in enumerate(layers):
-        local = _local_experts(layer)
+    for n, (number, layer) in enumerate(layers.items()):
+        local = local_experts(layer, number)
         per = len(local)
         placement.check(num_experts=per * placement.ep, ep=placement.ep, key="placement")
         mine = torch.stack([_flat(e) for e in local])  # [per, numel]: experts of one layer share their shapes
         gathered = [torch.empty_like(mine) for _ in ranks]
-        what = timeouts.OpName(op=f"expert placement: all-gather of MoE layer {n + 1}/{len(layers)}'s experts",
+        what = timeouts.OpName(op=f"expert placement: all-gather of MoE layer {number}'s experts "
+                                  f"({n + 1}/{len(layers)} here)",
                                stage="stage 1/1", ranks=ranks, rank=dist.get_rank())
         work = timeouts.launch(what, lambda: dist.all_gather(gathered, mine, group=group, async_op=True))
         timeouts.wait(work, what, timeout)
@@ -108,4 +121,4 @@ def move_experts(chunks: Iterable[torch.nn.Module], placement: ExpertPlacement, 
     return len(layers)
 
 
-__all__ = ["bias_routers", "moe_layers", "move_experts"]
+__all__ = ["bias_routers", "local_experts", "moe_layers", "move_experts"]

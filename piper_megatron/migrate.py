@@ -50,9 +50,11 @@ import torch
 import torch.distributed as dist
 
 from piper_core.errors import SpecError
+from piper_core.resource.routing import placement_file
 from piper_core.runtime import timeouts
 from piper_core.runtime.placement import ExpertPlacement
 from piper_core.scheduler.migration import MigrationPlan, plan_migration
+from piper_megatron.experts import local_experts, moe_layers
 
 PLACEMENT_NAME = "piper_placement.json"
 Resolver = Callable[[torch.nn.Parameter], dict[str, torch.Tensor]]
@@ -73,22 +75,6 @@ class MigrationReport:
 
 # ---- the model's MoE layers ----------------------------------------------------------------------
 
-def moe_layers(chunks: Iterable[torch.nn.Module]) -> dict[int, Any]:
-    """layer_number -> MoELayer of this rank's model chunks (DDP-wrapped or not)."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    out: dict[int, Any] = {}
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, MoELayer):
-                number = getattr(module, "layer_number", None)
-                if number is None:
-                    raise SpecError("MoELayer.layer_number", None, "is unset, so the layer cannot be named in a "
-                                    "placement", "build the layer inside a TransformerBlock (or call set_layer_number)")
-                out[number] = module
-    return out
-
-
 def _dispatcher(layer: Any, number: int) -> Any:
     from piper_megatron.dispatcher import PiperTokenDispatcher
 
@@ -107,15 +93,6 @@ def current_placements(chunks: Iterable[torch.nn.Module]) -> dict[int, ExpertPla
         d = _dispatcher(layer, number)
         out[number] = d.placement or ExpertPlacement.default(d.num_experts, d.ep_size)
     return out
-
-
-def _local_experts(layer: Any, number: int) -> list[Any]:
-    local = getattr(layer.experts, "local_experts", None)
-    if local is None:
-        raise SpecError(f"layer {number} experts", type(layer.experts).__name__, "hold every local expert in shared "
-                        "tensors; migration moves SequentialMLP experts (one module each)",
-                        "turn moe_grouped_gemm off (--moe-grouped-gemm unset)")
-    return list(local)
 
 
 # ---- optimizer state -----------------------------------------------------------------------------
@@ -341,14 +318,14 @@ def migrate(chunks: list[torch.nn.Module], optimizer: Any, target: ExpertPlaceme
     if move_optimizer:
         sharded = _sharded(optimizer)
         if not sharded:
-            params = [p for layer in layers.values() for e in _local_experts(layer, layer.layer_number)
+            params = [p for layer in layers.values() for e in local_experts(layer, layer.layer_number)
                       for p in e.parameters()]
             resolve = optimizer_state(optimizer, params)
     _barrier(group, ranks, me, timeout, "before")
     start = time.perf_counter()
     if sharded:  # the distributed optimizer over several expert data-parallel ranks: whole states first
         involved = [p for m in plan.moves if m.src_rank == me
-                    for p in _local_experts(layers[m.layer], m.layer)[m.src_local].parameters()]
+                    for p in local_experts(layers[m.layer], m.layer)[m.src_local].parameters()]
         full = _unshard(sharded, involved, timeout)
         resolve = lambda p: {k: t for k, t in sorted(full.get(id(p), {}).items())}  # noqa: E731
     sent, received, phases = _exchange(plan, layers, resolve, group, ranks, me, timeout)
@@ -370,7 +347,7 @@ def _exchange(plan: MigrationPlan, layers: dict[int, Any], resolve: Resolver | N
     seconds of each phase)."""
     t0 = time.perf_counter()
     def tensors(layer: int, local: int) -> list[torch.Tensor]:
-        return _tensors(_local_experts(layers[layer], layer)[local], resolve)
+        return _tensors(local_experts(layers[layer], layer)[local], resolve)
 
     outgoing: dict[int, list[torch.Tensor]] = {}
     incoming: dict[int, list[list[torch.Tensor]]] = {}
@@ -425,8 +402,7 @@ def _op(direction: str, ranks: tuple[int, ...], me: int, peer: int, nbytes: int)
 def placements_json(placements: Mapping[int, ExpertPlacement]) -> dict[str, Any]:
     """``piper placement --out``'s format: num_experts, ep, layers {layer_number: each rank's experts}."""
     first = next(iter(placements.values()))
-    return {"num_experts": first.num_experts, "ep": first.ep,
-            "layers": {str(n): [list(r) for r in p.ranks] for n, p in sorted(placements.items())}}
+    return placement_file(first.num_experts, first.ep, {n: p.ranks for n, p in placements.items()})
 
 
 def write_placements(directory: Path | str, placements: Mapping[int, ExpertPlacement]) -> Path:

@@ -131,8 +131,8 @@ class LayerLoad:
                                     # capacity under a capacity factor)
     exchange_bytes: tuple[tuple[str, float], ...]  # (link level, bytes the busiest rank receives over it)
     dropped_fraction: float         # of the token copies, under the capacity factor (0 dropless)
-    time_factor: float = 0.0        # the load the time model takes: f, or under core sharing
-                                    # :func:`shared_load` (0: f)
+    time_factor: float = 0.0        # under core sharing, the load the time model takes instead of f
+                                    # (:func:`shared_load`); 0 with a core per rank
 
     @property
     def priced_load(self) -> float:
@@ -194,6 +194,7 @@ def layer_loads(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, rout
     assigned = t_l * model.moe_router_topk
     shares = level_shares(expert_groups(plan)["ep"], cluster) if plan.ep > 1 else ()
     width = model.hidden_size * element_bytes(plan.precision)
+    share = cluster.accelerator.core_share
     out = []
     for number, counts in routing.layers:
         placement = placements[number]
@@ -208,7 +209,7 @@ def layer_loads(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec, rout
             busiest_rank=busiest, busiest_rank_tokens=per_source * plan.ep,
             exchange_bytes=tuple((s.link.name, s.peers * per_source * width) for s in shares),
             dropped_fraction=dropped_fraction(counts, assigned, t_l, model.moe_capacity_factor),
-            time_factor=shared_load(loads, cluster.accelerator.core_share)))
+            time_factor=shared_load(loads, share) if share < 1.0 else 0.0))
     return tuple(out)
 
 
@@ -275,6 +276,13 @@ def routed_to_json(r: RoutedPrediction) -> dict[str, Any]:
 
 
 PLACEMENT_KEYS = ("num_experts", "ep", "layers")
+
+
+def placement_file(num_experts: int, ep: int, layers: dict[int, Placement]) -> dict[str, Any]:
+    """The placement file :func:`load_placement` reads: per MoE layer (``layer_number``), each rank's
+    logical experts (what ``piper placement --out`` and a migrated checkpoint write)."""
+    return {"num_experts": num_experts, "ep": ep,
+            "layers": {str(n): [list(r) for r in p] for n, p in sorted(layers.items())}}
 
 
 def load_placement(path: str, model: ModelSpec, ep: int) -> dict[int, Placement]:

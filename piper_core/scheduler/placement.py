@@ -39,7 +39,7 @@ import itertools
 from dataclasses import dataclass
 
 from piper_core.errors import SpecError
-from piper_core.resource.routing import Placement, default_placement, load_factor, rank_loads
+from piper_core.resource.routing import Placement, default_placement, load_factor, placement_file, rank_loads
 from piper_core.specs.routing import Counts, Routing
 
 
@@ -196,8 +196,7 @@ def optimize_input(routing: Routing, ep: int) -> tuple[tuple[int, Counts], ...]:
 
 def placement_json(placements: tuple[LayerPlacement, ...], *, num_experts: int, ep: int) -> dict:
     """The placement file (:func:`load_placement` reads it back): per layer, each rank's experts."""
-    return {"num_experts": num_experts, "ep": ep,
-            "layers": {str(p.layer): [list(r) for r in p.placement] for p in placements}}
+    return placement_file(num_experts, ep, {p.layer: p.placement for p in placements})
 
 
 def summary_json(placements: tuple[LayerPlacement, ...]) -> list[dict]:
