@@ -52,8 +52,9 @@ class PiperOptions:
     (``--piper-world-size``) stands in for the launcher's WORLD_SIZE in plan-only runs; ``off``
     (``--piper-off``): Megatron switches the plan must leave off (:data:`piper_megatron.pins.OFF_NAMES`);
     ``defer_wgrad`` (``--piper-defer-wgrad``): plans with ep > 1 defer the experts' weight gradients;
-    ``placement`` (``--piper-placement``): the JSON file placing each logical expert in a physical slot
-    (:mod:`piper_core.runtime.placement`; read and checked against the plan by ``install.plan_job``);
+    ``placement`` (``--piper-placement``): the JSON file placing each logical expert in a physical slot,
+    for every MoE layer or per layer (:mod:`piper_core.runtime.placement`; read and checked against the
+    plan by ``install.plan_job``);
     ``routing`` (``--piper-routing``): tokens per expert per MoE layer, a histogram or ``--piper-trace``
     files (:mod:`piper_core.specs.routing`): the scheduler prices each MoE layer at its measured load."""
 
@@ -116,9 +117,11 @@ def add_piper_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="compute the experts' weight gradients after posting each dispatch gradient, while it "
                             "is in flight (plans with ep > 1; bit-identical gradients; priced by the scheduler)")
     group.add_argument("--piper-placement", type=Path, metavar="FILE",
-                       help="expert placement JSON ({\"num_experts\": E, \"ep\": N, \"ranks\": [[logical expert ids "
-                            "of rank 0], ...]}): the dispatcher sends each logical expert's tokens to its slot; the "
-                            "slots' weights must be those experts' (docs/placement.md)")
+                       help="expert placement JSON, one for every MoE layer ({\"num_experts\": E, \"ep\": N, "
+                            "\"ranks\": [[logical expert ids of rank 0], ...]}) or one per MoE layer (\"layers\": "
+                            "{layer_number: ranks}, as piper placement --out and a migrated checkpoint write; layers "
+                            "not listed keep the default): the dispatcher sends each logical expert's tokens to its "
+                            "slot; the slots' weights must be those experts' (docs/placement.md)")
     group.add_argument("--piper-routing", type=Path, nargs="+", metavar="FILE",
                        help="measured routing (a tokens-per-expert histogram per MoE layer, or this job's "
                             "--piper-trace files): the scheduler prices each MoE layer at its busiest rank under the "

@@ -114,7 +114,7 @@ from piper_core.runtime import (
 )
 from piper_core.runtime import timeouts
 from piper_core.runtime.autochunks import ADAPTER_CANDIDATES, ADAPTER_TRIALS, choose
-from piper_core.runtime.placement import ExpertPlacement
+from piper_core.runtime.placement import ExpertPlacement, LayerPlacements, Placements
 from piper_megatron.pins import PIPER_ALGORITHMS
 from piper_megatron.trace import LayerRecord, Tracer
 
@@ -126,7 +126,9 @@ class DispatchSettings:
     ``tune``: each MoE layer measures its chunk count at run time (an :class:`AutoChunks` over
     :data:`ADAPTER_CANDIDATES`, :data:`ADAPTER_TRIALS` steps each); ``chunks`` is then only the
     count the plan assumed. Every layer runs the fused path, one chunk included. ``placement``: where
-    each logical expert lives (None: logical expert ``l`` in slot ``l``)."""
+    each logical expert lives (None: logical expert ``l`` in slot ``l``), one placement for every MoE
+    layer or one per layer (:class:`~piper_core.runtime.placement.LayerPlacements`, applied when
+    Megatron gives the layer its ``layer_number``)."""
 
     # ParallelPlan.a2a values (the aggregated exchange is the runtime's, no plan's)
     PLAN_ALGORITHMS: ClassVar[tuple[str, ...]] = PIPER_ALGORITHMS
@@ -134,7 +136,7 @@ class DispatchSettings:
     chunks: int = 1
     tune: bool = False
     defer_wgrad: bool = False
-    placement: ExpertPlacement | None = None
+    placement: Placements | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, int) or self.chunks < 1:
@@ -142,7 +144,7 @@ class DispatchSettings:
 
     @classmethod
     def from_plan(cls, a2a: str, chunks: int, *, tune: bool = False, defer_wgrad: bool = False,
-                  placement: ExpertPlacement | None = None) -> DispatchSettings:
+                  placement: Placements | None = None) -> DispatchSettings:
         """A ParallelPlan's ``a2a`` (flat|hierarchical: the exchange of every chunk) and
         ``a2a_chunks`` (> 1: pipelined), as the step-time model prices them (piper_core/timing/
         layer.py); ``tune`` measures the chunk count of either algorithm at run time. A setting
@@ -223,7 +225,8 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
                             "build layers after piper_megatron.dispatcher.install_dispatcher(comm, settings)")
         self._check(binding, config)
         self.placement: ExpertPlacement | None = None  # where this layer's logical experts live (None: default)
-        self.set_placement(binding.settings.placement)
+        placement = binding.settings.placement  # a per-layer one waits for the layer_number (_set_layer_number)
+        self.set_placement(placement if isinstance(placement, ExpertPlacement) else None)
         self._meta: DispatchMeta | None = None
         self._counts: torch.Tensor | None = None  # this step's [etp, W, E] counts, kept until it is planned
         self._shared: Any = None  # the shared expert when Megatron overlaps it (set_shared_experts)
@@ -602,11 +605,16 @@ def _dispatch(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _set_layer_number(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``MoELayer.set_layer_number`` also tells a Piper dispatcher (for its messages)."""
+    """``MoELayer.set_layer_number`` also tells a Piper dispatcher: for its messages, and to route by
+    that layer's placement when the settings hold one per layer."""
     def set_layer_number(self: Any, layer_number: int) -> None:
         original(self, layer_number)
-        if isinstance(self.token_dispatcher, PiperTokenDispatcher):
-            self.token_dispatcher.layer_number = layer_number
+        dispatcher = self.token_dispatcher
+        if isinstance(dispatcher, PiperTokenDispatcher):
+            dispatcher.layer_number = layer_number
+            placement = type(dispatcher).binding.settings.placement
+            if isinstance(placement, LayerPlacements):
+                dispatcher.set_placement(placement.for_layer(layer_number))
 
     set_layer_number.__wrapped__ = original  # type: ignore[attr-defined]
     return set_layer_number

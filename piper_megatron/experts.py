@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from piper_core.errors import SpecError
 from piper_core.runtime import timeouts
-from piper_core.runtime.placement import ExpertPlacement
+from piper_core.runtime.placement import Placements
 
 
 def moe_layers(chunks: Iterable[torch.nn.Module]) -> dict[int, Any]:
@@ -90,20 +90,23 @@ def _flat(expert: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for p in expert.parameters()])  # bf16 -> fp32 is exact
 
 
-def move_experts(chunks: Iterable[torch.nn.Module], placement: ExpertPlacement, *, group: dist.ProcessGroup,
+def move_experts(chunks: Iterable[torch.nn.Module], placement: Placements, *, group: dist.ProcessGroup,
                  ep_rank: int, ranks: tuple[int, ...], timeout: timedelta) -> int:
     """Load logical expert ``placement.logical_at[s]``'s weights into each of this rank's slots ``s``,
-    from a model built with the default placement (module docstring). ``group``: the expert-parallel
+    from a model built with the default placement (module docstring); with a placement per layer,
+    each MoE layer by its own (an unlisted layer stays). ``group``: the expert-parallel
     group (``ranks``, its global ranks; this rank is ``ep_rank`` of it), each all-gather waited on for
     at most ``timeout``. Collective over the group; returns the MoE layers moved (0 for the default
     placement, which moves nothing)."""
     if placement.is_default:
         return 0
-    layers = moe_layers(chunks)
+    layers = {n: layer for n, layer in moe_layers(chunks).items()
+              if placement.for_layer(n) is not None and not placement.for_layer(n).is_default}
     for n, (number, layer) in enumerate(layers.items()):
         local = local_experts(layer, number)
         per = len(local)
         placement.check(num_experts=per * placement.ep, ep=placement.ep, key="placement")
+        logical_at = placement.for_layer(number).logical_at
         mine = torch.stack([_flat(e) for e in local])  # [per, numel]: experts of one layer share their shapes
         gathered = [torch.empty_like(mine) for _ in ranks]
         what = timeouts.OpName(op=f"expert placement: all-gather of MoE layer {number}'s experts "
@@ -114,7 +117,7 @@ def move_experts(chunks: Iterable[torch.nn.Module], placement: ExpertPlacement, 
         logical = torch.cat(gathered)  # [E, numel]: built with the default placement, slot = logical id
         with torch.no_grad():
             for i, expert in enumerate(local):
-                row, offset = logical[placement.logical_at[ep_rank * per + i]], 0
+                row, offset = logical[logical_at[ep_rank * per + i]], 0
                 for p in expert.parameters():
                     p.copy_(row[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()

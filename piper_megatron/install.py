@@ -194,7 +194,10 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
         placed, result = search_by_ep(model, cluster, world_size, gbs, routing, space=space,
                                       attention_backend=_attention(ns))
         if placement is not None:
-            placed = {placement.ep: {n: placement.ranks for n, _ in routing.layers}}
+            from piper_core.runtime.placement import ExpertPlacement
+
+            default = ExpertPlacement.default(model.num_experts, placement.ep)
+            placed = {placement.ep: {n: (placement.for_layer(n) or default).ranks for n, _ in routing.layers}}
     if model.moe_shared_expert_intermediate_size and not SHARED_EXPERT_OVERLAP:
         _without_shared_overlap(model, cluster, result)
         notes.append(SHARED_NOTE)
@@ -228,18 +231,29 @@ def _routing(options: PiperOptions, model: ModelSpec) -> Any:
 
 
 def _placement(options: PiperOptions, model: ModelSpec, eps: Sequence[int]) -> Any:
-    """``--piper-placement``'s ExpertPlacement (None without the flag), checked against the model's
-    experts and the expert-parallel sizes the search may still pick (``eps``); its ep restricts the
-    search. Imports the runtime package (torch) only when the flag is given."""
+    """``--piper-placement``'s placements (None without the flag): one ExpertPlacement for every MoE
+    layer, or a LayerPlacements per layer (``piper placement --out``, a migrated checkpoint's
+    piper_placement.json), checked against the model's experts and MoE layers and the expert-parallel
+    sizes the search may still pick (``eps``); its ep restricts the search. Imports the runtime
+    package only when the flag is given."""
     if options.placement is None:
         return None
-    from piper_core.runtime.placement import read_placement
+    from piper_core.runtime.placement import LayerPlacements, read_placements
+    from piper_core.specs.routing import moe_layer_numbers
 
     if not model.is_moe:
         raise SpecError("--piper-placement", str(options.placement), "places experts, and this model has none",
                         "drop --piper-placement, or add --num-experts")
-    placement = read_placement(options.placement)
+    placement = read_placements(options.placement, key="--piper-placement")
     placement.check(num_experts=model.num_experts, ep=placement.ep, key="--piper-placement")
+    if isinstance(placement, LayerPlacements):
+        moe = moe_layer_numbers(model)
+        stray = sorted(set(placement.layers) - set(moe))
+        if stray:
+            raise SpecError("--piper-placement", str(options.placement), f"places layers {stray}, which are not MoE "
+                            f"layers of this model (its MoE layer numbers: {moe[0]}..{moe[-1]}, "
+                            f"{len(moe)} layers)", "write the placement for this model's MoE layers "
+                            "(piper placement --routing a trace of this model)")
     if placement.ep not in eps:
         raise SpecError("--piper-placement", str(options.placement), f"is for ep={placement.ep}, which this job "
                         f"cannot run (expert-parallel sizes left by the command line and the world size: "
@@ -360,7 +374,7 @@ class DispatchRequest:
     defer_wgrad: bool = False
     timeout_minutes: float
     trace: Any = None
-    placement: Any = None  # an ExpertPlacement (--piper-placement), or None for the default
+    placement: Any = None  # an ExpertPlacement or LayerPlacements (--piper-placement), or None for the default
 
 
 class Installation:

@@ -50,9 +50,9 @@ import torch
 import torch.distributed as dist
 
 from piper_core.errors import SpecError
-from piper_core.resource.routing import placement_file
 from piper_core.runtime import timeouts
-from piper_core.runtime.placement import ExpertPlacement
+from piper_core.runtime.placement import ExpertPlacement, LayerPlacements
+from piper_core.runtime.placement import read_placements as runtime_read_placements
 from piper_core.scheduler.migration import MigrationPlan, plan_migration
 from piper_megatron.experts import local_experts, moe_layers
 
@@ -402,7 +402,7 @@ def _op(direction: str, ranks: tuple[int, ...], me: int, peer: int, nbytes: int)
 def placements_json(placements: Mapping[int, ExpertPlacement]) -> dict[str, Any]:
     """``piper placement --out``'s format: num_experts, ep, layers {layer_number: each rank's experts}."""
     first = next(iter(placements.values()))
-    return placement_file(first.num_experts, first.ep, {n: p.ranks for n, p in placements.items()})
+    return LayerPlacements(num_experts=first.num_experts, ep=first.ep, layers=dict(placements)).to_json()
 
 
 def write_placements(directory: Path | str, placements: Mapping[int, ExpertPlacement]) -> Path:
@@ -414,27 +414,17 @@ def write_placements(directory: Path | str, placements: Mapping[int, ExpertPlace
 
 
 def read_placements(path: Path | str) -> dict[int, ExpertPlacement]:
-    """The placements :func:`write_placements` (or ``piper placement --out``) wrote (SpecError naming
-    the file otherwise)."""
+    """The placements :func:`write_placements` (or ``piper placement --out``) wrote, by layer_number
+    (a directory: its piper_placement.json; SpecError naming the file otherwise)."""
     path = Path(path)
     if path.is_dir():
         path = path / PLACEMENT_NAME
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise SpecError("placement", str(path), f"cannot be read as JSON ({exc})", "pass the file migration or "
-                        "piper placement --out wrote") from None
-    if not isinstance(data, dict) or set(data) != {"num_experts", "ep", "layers"} or not isinstance(data["layers"],
-                                                                                                   dict):
-        raise SpecError("placement", str(path), "must hold exactly num_experts, ep and layers {layer: ranks}",
-                        "pass the file migration or piper placement --out wrote")
-    out = {}
-    for key, ranks in data["layers"].items():
-        if not str(key).isdigit():
-            raise SpecError(f"layers.{key}", key, "is not a layer number", "key layers by Megatron's layer_number")
-        out[int(key)] = ExpertPlacement(num_experts=data["num_experts"], ep=data["ep"], ranks=ranks,
-                                        where=f"{path} layer {key}")
-    return out
+    placements = runtime_read_placements(path)
+    if not isinstance(placements, LayerPlacements):
+        raise SpecError("placement", str(path), "holds one placement for every layer (ranks); a checkpoint's "
+                        "placement file lists each MoE layer (layers)", "pass the piper_placement.json saved with "
+                        "the checkpoint")
+    return dict(placements.layers)
 
 
 def apply_placements(chunks: list[torch.nn.Module], placements: Mapping[int, ExpertPlacement]) -> None:

@@ -393,5 +393,6 @@ def _placement_text(model, routing, ep: int, found, priced, out: str | None) -> 
                      f"optimized {b.time.step:.4g} s (MFU {100 * b.rate.mfu:.1f}%): {a.time.step / b.time.step:.3f}x; "
                      f"peak memory {a.peak_stage.total / 2**30:.2f} -> {b.peak_stage.total / 2**30:.2f} GiB")
     if out:
-        lines.append(f"wrote {out} (piper predict ... --routing FILE --placement {out})")
+        lines.append(f"wrote {out} (piper predict ... --routing FILE --placement {out}; Megatron: --piper-placement "
+                     f"{out}, each slot holding its expert's weights)")
     return lines

@@ -36,16 +36,12 @@ is live at a time, is exact.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from piper_core.errors import SpecError, nearest
+from piper_core.errors import SpecError
 from piper_core.resource.memory import StageMemory, stage_memory
 from piper_core.resource.predict import Prediction, predict, to_json
 from piper_core.specs.cluster import ClusterSpec
@@ -275,66 +271,41 @@ def routed_to_json(r: RoutedPrediction) -> dict[str, Any]:
     return to_json(r.prediction) | {"routing": routing_json(r)}
 
 
-PLACEMENT_KEYS = ("num_experts", "ep", "layers")
-
-
 def placement_file(num_experts: int, ep: int, layers: dict[int, Placement]) -> dict[str, Any]:
     """The placement file :func:`load_placement` reads: per MoE layer (``layer_number``), each rank's
-    logical experts (what ``piper placement --out`` and a migrated checkpoint write)."""
-    return {"num_experts": num_experts, "ep": ep,
-            "layers": {str(n): [list(r) for r in p] for n, p in sorted(layers.items())}}
+    logical experts (what ``piper placement --out`` and a migrated checkpoint write; the format is
+    :class:`piper_core.runtime.placement.LayerPlacements`'s)."""
+    from piper_core.runtime.placement import ExpertPlacement, LayerPlacements
+
+    return LayerPlacements(num_experts=num_experts, ep=ep, layers={
+        n: ExpertPlacement(num_experts=num_experts, ep=ep, ranks=p) for n, p in layers.items()}).to_json()
 
 
 def load_placement(path: str, model: ModelSpec, ep: int) -> dict[int, Placement]:
-    """Read a placement file (``piper placement --out``; JSON or YAML)::
+    """Read a placement file, either form (:func:`piper_core.runtime.placement.read_placements`; JSON,
+    or YAML by its suffix)::
 
         {"num_experts": 8, "ep": 2, "layers": {"1": [[0, 5, 6, 7], [1, 2, 3, 4]], ...}}
+        {"num_experts": 8, "ep": 2, "ranks": [[0, 5, 6, 7], [1, 2, 3, 4]]}      (every MoE layer)
 
     ``layers`` maps Megatron's 1-based layer_number to each rank's logical experts; MoE layers not
     listed keep Megatron's default placement. ``num_experts`` and ``ep`` must match the model and plan.
     """
+    from piper_core.runtime.placement import ExpertPlacement, read_placements
+
     where = str(path)
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        raise SpecError("--placement", where, "file does not exist", "give the file `piper placement --out` "
-                        "wrote") from None
-    if not text.strip():
-        raise SpecError("--placement", where, "the file is empty", "give the file `piper placement --out` wrote",
-                        where=where)
-    try:
-        data = json.loads(text) if where.endswith(".json") else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise SpecError("--placement", where, f"cannot be parsed ({str(exc).splitlines()[0]})", "fix the syntax",
-                        where=where) from None
-    if not isinstance(data, dict):
-        raise SpecError("document", type(data).__name__, "top level must be a mapping",
-                        "write num_experts, ep and layers at top level", where=where)
-    for key in data:
-        if key not in PLACEMENT_KEYS:
-            guess = nearest(str(key), PLACEMENT_KEYS)
-            raise SpecError(str(key), data[key], "is not a key of a placement file",
-                            f"did you mean '{guess}'?" if guess else f"valid keys: {list(PLACEMENT_KEYS)}", where=where)
-    if data.get("num_experts") != model.num_experts:
-        raise SpecError("num_experts", data.get("num_experts"), f"must equal the model's ({model.num_experts})",
+    placements = read_placements(path, key="--placement")
+    if placements.num_experts != model.num_experts:
+        raise SpecError("num_experts", placements.num_experts, f"must equal the model's ({model.num_experts})",
                         "give a placement of this model's experts", where=where)
-    if data.get("ep") != ep:
-        raise SpecError("ep", data.get("ep"), f"must equal the plan's expert parallelism ({ep})",
+    if placements.ep != ep:
+        raise SpecError("ep", placements.ep, f"must equal the plan's expert parallelism ({ep})",
                         f"make the placement for ep={ep} (piper placement ... --ep {ep})", where=where)
-    layers = data.get("layers") or {}
-    if not isinstance(layers, dict):
-        raise SpecError("layers", layers, "must map layer numbers to per-rank expert lists",
-                        "write e.g. layers: {1: [[0, 3], [1, 2]]}", where=where)
     moe = moe_layer_numbers(model)
-    out = {}
-    for key, ranks in layers.items():
-        number = int(key) if str(key).isdigit() else None
-        if number not in moe:
-            raise SpecError(f"layers.{key}", key, f"is not a MoE layer of {model.name}",
+    if isinstance(placements, ExpertPlacement):
+        return {n: placements.ranks for n in moe}
+    for n in placements.layers:
+        if n not in moe:
+            raise SpecError(f"layers.{n}", n, f"is not a MoE layer of {model.name}",
                             f"use MoE layer numbers {moe[0]}..{moe[-1]}", where=where)
-        if not isinstance(ranks, list) or not all(isinstance(r, list) for r in ranks):
-            raise SpecError(f"layers.{key}", ranks, "must be one list of experts per rank",
-                            "write e.g. [[0, 3], [1, 2]]", where=where)
-        out[number] = check_placement(tuple(tuple(r) for r in ranks), model.num_experts, ep,
-                                      key=f"layers.{key}", where=where)
-    return out
+    return {n: p.ranks for n, p in placements.layers.items()}

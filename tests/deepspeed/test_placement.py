@@ -269,6 +269,11 @@ def test_the_placement_sets_ep_when_piper_searches():
     ({"num_experts": 8, "ep": 1, "ranks": [[7, 6, 5, 4, 3, 2, 1, 0]]}, {"plan": {"ep": 1, "mbs": 1}},
      r"^piper\.placement='\"piper\" block': reorders the experts of an ep=1 job"),
     ("missing.json", {}, r"^piper\.placement='missing\.json': cannot be read"),
+    ([{"num_experts": 8, "ep": 2, "layers": {"1": [[0, 1, 2, 3], [4, 5, 6, 7]]}}], {},
+     r"^piper\.placement='.*placement\.json': holds one placement per MoE layer \(layers\); this input takes one "
+     r"placement for every layer \(ranks\); write one with piper placement \.\.\. --shared --out FILE"),
+    ({"num_experts": 8, "ep": 2, "layers": {"1": [[0, 1, 2, 3], [4, 5, 6, 7]]}}, {},
+     r"^\"piper\" block: piper\.placement\.layers=.*holds one placement per MoE layer"),
     (3, {}, r"^piper\.placement=3: must be the path of a placement JSON file or the placement object itself"),
 ])
 def test_a_wrong_placement_is_refused_naming_the_key(tmp_path, placement, block, match):

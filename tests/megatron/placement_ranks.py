@@ -162,6 +162,43 @@ def _refused(world: int, comm: Any) -> dict[str, str]:
     return messages
 
 
+def _per_layer_case(rank: int, world: int, comm: Any) -> dict[str, Any]:
+    """A placement per MoE layer (``--piper-placement`` with a ``layers`` file): each layer routes by
+    its own once Megatron gives it its ``layer_number``; a layer the file does not list keeps the
+    default. Layer 2's placement (another permutation than layer 1's), with its slots holding those
+    experts, gives the stock layer's output; so does layer 3 (unlisted) with the default weights."""
+    from piper_core.runtime import Algorithm
+    from piper_core.runtime.placement import ExpertPlacement, LayerPlacements
+    from piper_megatron.dispatcher import DispatchSettings, install_dispatcher
+
+    first = ExpertPlacement(num_experts=EXPERTS, ep=world, ranks=PLACEMENTS[world])
+    second = ExpertPlacement.from_slots(tuple(reversed(range(EXPERTS))), world)
+    placements = LayerPlacements(num_experts=EXPERTS, ep=world, layers={1: first, 2: second})
+    config, submodules = _moe_config(world, world, 2, "dropless")
+    stock_layer = _layer(config, submodules)
+    _init_experts(stock_layer, rank)
+    stock = _forward_backward(stock_layer, rank)
+    states = _expert_states(stock_layer, world)
+    patches = install_dispatcher(comm, DispatchSettings(algorithm=Algorithm.FLAT, placement=placements))
+    try:
+        layers = {}
+        for n in (1, 2, 3):
+            layer = _layer(config, submodules, source=stock_layer)  # numbered 1 when built
+            layer.set_layer_number(n)
+            layers[n] = layer
+        routed = {n: (None if layer.token_dispatcher.placement is None else layer.token_dispatcher.placement.ranks)
+                  for n, layer in layers.items()}
+        _place(layers[2], states, second.logical_at, rank)
+        got, unlisted = _forward_backward(layers[2], rank), _forward_backward(layers[3], rank)
+        blind = _forward_backward(layers[1], rank)  # layer 1's placement, default weights in its slots
+    finally:
+        patches.restore()
+    return {"routed": routed, "want": {1: first.ranks, 2: second.ranks, 3: None},
+            "output": _error(stock["y"], got["y"]), "input_grad": _error(stock["x_grad"], got["x_grad"]),
+            "unlisted_output": _error(stock["y"], unlisted["y"]), "control_output": _max_diff(stock["y"], blind["y"]),
+            "output_scale": stock["y"].abs().max().item()}
+
+
 def _hook_case(rank: int, world: int) -> dict[str, Any]:
     """The run-time path of ``--piper-placement``: the placement in the ``DispatchRequest`` that
     ``Installation.prepare`` makes, installed by the hooked ``initialize_model_parallel``; the layer
@@ -215,7 +252,9 @@ def run_rank(rank: int, world: int) -> dict[str, Any]:
         comm = _comm(world, 1, world)
         results = {case.id: _case(rank, world, comm, case) for case in CASES}
         refused = _refused(world, comm)
+        per_layer = _per_layer_case(rank, world, comm)
     finally:
         parallel_state.destroy_model_parallel()
     hook = _hook_case(rank, world)
-    return {"cases": results, "refused": refused, "hook": hook, "piper_core": piper_core.__file__}
+    return {"cases": results, "refused": refused, "per_layer": per_layer, "hook": hook,
+            "piper_core": piper_core.__file__}

@@ -119,9 +119,14 @@ def test_placement_files_round_trip_and_bad_ones_are_refused(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"num_experts": 4, "ep": 2, "layers": {"1": [[0, 1], [1, 3]]}}))
     with pytest.raises(SpecError, match=r"bad.json layer 1: ranks\[1\]=\[1, 3\]: holds expert 1, which rank 0"):
         read_placements(tmp_path / "bad.json")
-    (tmp_path / "keys.json").write_text(json.dumps({"num_experts": 4, "ranks": [[0, 1], [2, 3]]}))
-    with pytest.raises(SpecError, match=r"must hold exactly num_experts, ep and layers"):
+    (tmp_path / "keys.json").write_text(json.dumps({"num_experts": 4, "layers": {"1": [[0, 1], [2, 3]]}}))
+    with pytest.raises(SpecError, match=r"keys.json: ep=None: is required; a per-layer placement file holds "
+                                        r"num_experts, ep, layers"):
         read_placements(tmp_path / "keys.json")
+    (tmp_path / "shared.json").write_text(json.dumps({"num_experts": 4, "ep": 2, "ranks": [[0, 1], [2, 3]]}))
+    with pytest.raises(SpecError, match=r"holds one placement for every layer \(ranks\); a checkpoint's placement "
+                                        r"file lists each MoE layer"):
+        read_placements(tmp_path / "shared.json")
 
 
 def test_an_optimizer_whose_state_migration_does_not_know_is_refused():

@@ -65,6 +65,18 @@ def test_a_placement_for_another_job_is_refused_when_the_layer_is_built(world):
 
 
 @pytest.mark.parametrize("world", (2, 4))
+def test_a_placement_per_layer_routes_each_layer_by_its_own(world):
+    for rank, results in enumerate(_ranks(world)):
+        got = results["per_layer"]
+        want = {str(n): [list(r) for r in ranks] if ranks is not None else None for n, ranks in got["want"].items()}
+        routed = {str(n): [list(r) for r in ranks] if ranks is not None else None for n, ranks in got["routed"].items()}
+        assert routed == want, f"rank {rank}: {got['routed']}"
+        assert got["output"] <= TOL and got["input_grad"] <= TOL, f"rank {rank} layer 2: {got}"
+        assert got["unlisted_output"] <= TOL, f"rank {rank} layer 3 (not in the file): {got}"
+        assert got["control_output"] > 0.01 * got["output_scale"], f"rank {rank}: layer 1 unplaced matched: {got}"
+
+
+@pytest.mark.parametrize("world", (2, 4))
 def test_the_placement_reaches_the_dispatcher_through_the_model_parallel_hook(world):
     """What ``--piper-placement`` runs: the request's placement, installed by the hooked
     ``initialize_model_parallel``, gives the stock layer's output once the slots hold their experts."""
@@ -109,6 +121,26 @@ def test_the_placement_file_sets_ep_and_reaches_the_dispatcher(tmp_path):
     assert settings.describe().endswith("expert placement: 4 of 8 experts off their default rank over 2 ranks")
 
 
+def test_a_placement_per_layer_file_reaches_the_dispatcher_and_prices_each_layer(tmp_path):
+    from piper_core.runtime.placement import LayerPlacements
+    from piper_megatron.dispatcher import DispatchSettings
+
+    path = _write(tmp_path, {"num_experts": 8, "ep": 2, "layers": {"2": [[5, 2, 7, 0], [3, 6, 1, 4]]}})
+    job = _plan(ARGV + ["--piper-placement", path])
+    assert isinstance(job.placement, LayerPlacements) and all(s.plan.ep == 2 for s in job.result.scored)
+    assert job.placement.for_layer(2).ranks == ((5, 2, 7, 0), (3, 6, 1, 4)) and job.placement.for_layer(1) is None
+    note = f"--piper-placement {path}: ep=2 as the placement says; per MoE layer over 2 ranks: layers 2 placed"
+    assert any(n.startswith(note) for n in job.notes), job.notes
+    settings = DispatchSettings.from_plan("flat", 1, placement=job.placement)
+    assert "expert placement: per MoE layer over 2 ranks: layers 2 placed (4 experts off" in settings.describe()
+    # with measured routing, each layer is priced under its own placement (layer 1: the default)
+    routing = tmp_path / "routing.json"
+    routing.write_text(json.dumps({"num_experts": 8, "layers": {"1": [9, 1, 1, 1, 9, 1, 1, 1],
+                                                                "2": [9, 9, 9, 9, 1, 1, 1, 1]}}))
+    routed = _plan(ARGV + ["--piper-placement", path, "--piper-routing", str(routing)])
+    assert routed.result.scored and "experts placed as --piper-placement says" in " ".join(routed.notes)
+
+
 @pytest.mark.parametrize(("data", "extra", "message"), [
     ({"num_experts": 16, "ep": 2, "ranks": [list(range(8)), list(range(8, 16))]}, [],
      r"--piper-placement='.*placement.json': places 16 experts, the model has 8"),
@@ -119,6 +151,11 @@ def test_the_placement_file_sets_ep_and_reaches_the_dispatcher(tmp_path):
      r"placement.json: ranks\[1\]=\[4, 5, 6, 6\]: holds expert 6, which rank 1 holds too"),
     ({"num_experts": 8, "ep": 2, "ranks": [[0, 1, 2], [3, 4, 5, 6, 7]]}, [],
      r"placement.json: ranks=.*slots per rank are \[3, 5\]"),
+    ({"num_experts": 8, "ep": 2, "layers": {"5": [[0, 1, 2, 3], [4, 5, 6, 7]]}}, [],
+     r"--piper-placement='.*placement.json': places layers \[5\], which are not MoE layers of this model "
+     r"\(its MoE layer numbers: 1..2, 2 layers\)"),
+    ({"num_experts": 8, "ep": 2, "layers": {"2": [[0, 1, 2, 3], [4, 5, 6, 6]]}}, [],
+     r"placement.json layer 2: ranks\[1\]=\[4, 5, 6, 6\]: holds expert 6, which rank 1 holds too"),
 ])
 def test_a_wrong_placement_file_is_refused_with_the_reason(tmp_path, data, extra, message):
     with pytest.raises(SpecError, match=message):

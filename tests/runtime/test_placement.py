@@ -8,7 +8,8 @@ import json
 import pytest
 
 from piper_core.errors import SpecError
-from piper_core.runtime.placement import ExpertPlacement, placement_from_json, read_placement
+from piper_core.runtime.placement import (ExpertPlacement, LayerPlacements, placement_from_json, placements_from_json,
+                                         read_placement, read_placements)
 
 
 def test_slots_and_logical_ids_are_inverse():
@@ -74,3 +75,54 @@ def test_check_against_the_job():
         p.check(num_experts=16, ep=2, key="--piper-placement")
     with pytest.raises(SpecError, match=r"--piper-placement='p.json': is for ep=2, the job runs ep=4; pin it"):
         p.check(num_experts=8, ep=4, key="--piper-placement", fix_ep="pin it")
+
+
+# ---- one placement per MoE layer ----------------------------------------------------------------------
+
+def test_a_per_layer_file_round_trips_and_leaves_unlisted_layers_default(tmp_path):
+    data = {"num_experts": 4, "ep": 2, "layers": {"3": [[3, 2], [1, 0]], "1": [[1, 0], [3, 2]]}}
+    path = tmp_path / "layers.json"
+    path.write_text(json.dumps(data))
+    got = read_placements(path)
+    assert isinstance(got, LayerPlacements) and list(got.layers) == [1, 3]
+    assert got.for_layer(1).ranks == ((1, 0), (3, 2)) and got.for_layer(3).ranks == ((3, 2), (1, 0))
+    assert got.for_layer(2) is None and got.for_layer(None) is None
+    assert got.to_json() == {"num_experts": 4, "ep": 2, "layers": {"1": [[1, 0], [3, 2]], "3": [[3, 2], [1, 0]]}}
+    assert got.describe() == ("per MoE layer over 2 ranks: layers 1,3 placed (4 experts off their default rank in "
+                              "all), every other layer the default")
+    single = ExpertPlacement(num_experts=4, ep=2, ranks=((1, 0), (3, 2)))
+    assert single.for_layer(7) is single and read_placements(single.write(tmp_path / "one.json")) == single
+    yaml_file = tmp_path / "layers.yaml"
+    yaml_file.write_text("num_experts: 4\nep: 2\nlayers:\n  1: [[1, 0], [3, 2]]\n")
+    assert read_placements(yaml_file).for_layer(1).ranks == ((1, 0), (3, 2))
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"num_experts": 4, "ep": 2, "layers": {"x": [[0, 1], [2, 3]]}},
+     r"layers.x='x': is not a layer number \(Megatron's layer_number, from 1\)"),
+    ({"num_experts": 4, "ep": 2, "layers": {"0": [[0, 1], [2, 3]]}}, r"layers.0='0': is not a layer number"),
+    ({"num_experts": 4, "ep": 2, "layers": {"2": [[0, 1], [1, 3]]}},
+     r"p.json layer 2: ranks\[1\]=\[1, 3\]: holds expert 1, which rank 0 holds too"),
+    ({"num_experts": 4, "ep": 2, "layers": [[0, 1], [2, 3]]}, r"layers=.*must map layer numbers"),
+    ({"num_experts": 4, "ep": 3, "layers": {}}, r"ep=3: must divide num_experts \(4\)"),
+    ({"num_experts": 4, "ep": 2, "layers": {}, "rank": 1}, r"rank=1: is not a key of a per-layer placement file"),
+])
+def test_malformed_per_layer_files_are_refused_with_the_rule(data, message):
+    with pytest.raises(SpecError, match=message):
+        placements_from_json(data, where="p.json")
+
+
+def test_one_placement_inputs_refuse_a_per_layer_file_with_the_fix(tmp_path):
+    path = tmp_path / "layers.json"
+    path.write_text(json.dumps({"num_experts": 4, "ep": 2, "layers": {"1": [[1, 0], [3, 2]]}}))
+    with pytest.raises(SpecError, match=r"holds one placement per MoE layer \(layers\); this input takes one "
+                                        r"placement for every layer \(ranks\); write one with piper placement "
+                                        r"... --shared --out FILE"):
+        read_placement(path)
+    empty = tmp_path / "empty.json"
+    empty.write_text("\n")
+    with pytest.raises(SpecError, match=r"empty.json': the file is empty"):
+        read_placements(empty)
+    placements = read_placements(path)
+    with pytest.raises(SpecError, match=r"is for ep=2, the job runs ep=4"):
+        placements.check(num_experts=4, ep=4, key="placement")

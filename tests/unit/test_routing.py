@@ -216,13 +216,21 @@ def test_placement_file_round_trip_and_errors(tmp_path):
     good = write(tmp_path, "p.json", json.dumps({"num_experts": 8, "ep": 2, "layers": {"2": [[0, 7, 1, 6], [2, 3, 4, 5]]}}))
     assert load_placement(str(good), TINY, 2) == {2: ((0, 7, 1, 6), (2, 3, 4, 5))}
     slots = write(tmp_path, "s.json", json.dumps({"num_experts": 8, "ep": 2, "layers": {"2": [[0, 7, 1], [2, 3, 4, 5, 6]]}}))
-    with pytest.raises(SpecError, match=r"must hold exactly num_experts/ep = 4 experts"):
+    with pytest.raises(SpecError, match=r"s.json layer 2: ranks=.*slots per rank are \[3, 5\]; every rank holds "
+                                         r"num_experts / ep = 4"):
         load_placement(str(slots), TINY, 2)
     twice = write(tmp_path, "t.json", json.dumps({"num_experts": 8, "ep": 2, "layers": {"2": [[0, 0, 1, 6], [2, 3, 4, 5]]}}))
-    with pytest.raises(SpecError, match=r"experts must be distinct ids in 0..7"):
+    with pytest.raises(SpecError, match=r"t.json layer 2: ranks\[0\]=\[0, 0, 1, 6\]: holds expert 0, which rank 0 "
+                                         r"holds too"):
         load_placement(str(twice), TINY, 2)
     with pytest.raises(SpecError, match=r"ep=2: must equal the plan's expert parallelism \(4\)"):
         load_placement(str(good), TINY, 4)
+    # one placement for every layer (piper placement --shared --out), YAML by its suffix: each MoE layer gets it
+    shared = write(tmp_path, "shared.yaml", "num_experts: 8\nep: 2\nranks: [[0, 7, 1, 6], [2, 3, 4, 5]]\n")
+    assert load_placement(str(shared), TINY, 2) == {n: ((0, 7, 1, 6), (2, 3, 4, 5)) for n in moe_layer_numbers(TINY)}
+    stray = write(tmp_path, "x.json", json.dumps({"num_experts": 8, "ep": 2, "layers": {"99": [[0, 7, 1, 6], [2, 3, 4, 5]]}}))
+    with pytest.raises(SpecError, match=r"layers.99=99: is not a MoE layer of"):
+        load_placement(str(stray), TINY, 2)
 
 
 # ---- command line ------------------------------------------------------------------------------------
