@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 FILES = ("README.md", "docs/megatron.md", "docs/e2e.md", "docs/validation.md", "docs/published.md", "docs/deepspeed.md",
          "docs/alltoall.md", "docs/clusters.md",
-         "docs/fp8.md", "docs/layouts.md", "docs/routing.md", "docs/migration.md")
+         "docs/fp8.md", "docs/layouts.md", "docs/routing.md", "docs/migration.md", "docs/placement-bench.md")
 MARKS = (re.compile(r"(<!-- run: (?P<cmd>.+?) -->\n```text\n)(?P<out>.*?)(```)", re.S),
          re.compile(r"(<!-- run-md: (?P<cmd>.+?) -->\n)(?P<out>.*?)(<!-- end run-md -->)", re.S))
 BLOCKS = re.compile(r"<!-- check-blocks: (?P<cmd>.+?) -->")

@@ -68,6 +68,44 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+_VERDICT = {True: "met", False: "**not met**", None: "no target"}
+TABLES = ("verdict", "model", "repredicted")
+"""The tables docs/placement-bench.md quotes (``--table``; docs/refresh.py keeps them current)."""
+
+
+def verdict_table(results: dict[str, Any]) -> list[str]:
+    """Per case: the measured busiest rank over the mean (summed over the MoE layers) with the default
+    and the optimised placement, each variant's median step, the judged cut and the verdict."""
+    lines = ["| case | busiest rank / mean, default -> optimised (measured) | stock s | Piper default s | "
+             "Piper optimised s | step cut (judged) | verdict |", "|---|---|---:|---:|---:|---:|---|"]
+    for entry in results["cases"]:
+        summary = entry.get("summary", {})
+        if "table" not in summary:
+            lines.append(f"| {entry['case']} | - | - | - | - | - | not measured |")
+            continue
+        table, v = summary["table"], summary["verdict"]
+        loads = " -> ".join(_s((summary.get(k) or {}).get("total_max_over_mean"), "{:.2f}")
+                            for k in ("load_before", "load_after"))
+        medians = " | ".join(_s((table.get(name) or {}).get("median_s"))
+                             for name in ("stock", "piper-default", "piper-optimized"))
+        lines.append(f"| {entry['case']} | {loads} | {medians} | {_s(v.get('step_cut'), '{:.1%}')} | "
+                     f"{_VERDICT[v.get('met')]} |")
+    return lines
+
+
+def model_table(results: dict[str, Any]) -> list[str]:
+    """Per case and variant: the measured median against the run's own (declared) prediction with the
+    measured histogram and with even routing."""
+    lines = ["| case | variant | measured s | predicted with the histogram | error | predicted with even routing | "
+             "error |", "|---|---|---:|---:|---:|---:|---:|"]
+    for entry in results["cases"]:
+        for name, row in entry.get("summary", {}).get("table", {}).items():
+            lines.append(f"| {entry['case']} | {name} | {_s(row['median_s'])} | {_s(row['predicted_s'])} | "
+                         f"{_s(row['model_error'], '{:+.1%}')} | {_s(row['predicted_even_s'])} | "
+                         f"{_s(row['model_error_even'], '{:+.1%}')} |")
+    return lines
+
+
 def plot_loads(results: dict[str, Any], path: Path) -> Path | None:
     """Bar chart of each rank's load over the mean, default vs optimised placement, one panel per
     case (None when no case measured both)."""
@@ -123,8 +161,7 @@ def repredict(results: dict[str, Any], profiles: Path) -> list[str]:
     from piper_core.specs.routing import Routing
 
     load = WORKLOADS[results["workload"]]
-    lines = ["re-predicted by this version of the model (declared: what the run's own version predicted)", "",
-             "| case | variant | measured s | declared predicted s | error | re-predicted s | error | "
+    lines = ["| case | variant | measured s | declared predicted s | error | re-predicted s | error | "
              "re-predicted even s | error |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for entry in results["cases"]:
         declared = entry.get("declared")
@@ -155,11 +192,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repredict", type=Path, metavar="PROFILES",
                    help="also price every case again with this version of the model, from the run's declared "
                         "histogram and placement and the calibration profiles in PROFILES (<case>-fp32.yaml)")
+    p.add_argument("--table", choices=TABLES,
+                   help="print only this table, as docs/placement-bench.md quotes it (repredicted needs --repredict)")
     a = p.parse_args(argv)
     results = json.loads(a.results.read_text())
+    if a.table is not None:
+        if a.table == "repredicted" and a.repredict is None:
+            p.error("--table repredicted needs --repredict PROFILES (the profiles the run predicted from)")
+        tables = {"verdict": lambda: verdict_table(results), "model": lambda: model_table(results),
+                  "repredicted": lambda: repredict(results, a.repredict)}
+        print("\n".join(tables[a.table]()))
+        return 0
     print(report(results))
     if a.repredict is not None:
-        print("\n".join(["", *repredict(results, a.repredict)]))
+        print("\n".join(["", "re-predicted by this version of the model (declared: what the run's own version "
+                          "predicted)", "", *repredict(results, a.repredict)]))
     if a.plot is not None:
         plot_loads(results, a.plot)
     return 0

@@ -103,3 +103,10 @@ def test_the_report_and_the_plot_are_written(bench):
     assert Path(results["plot"]).is_file() and Path(results["plot"]).parent == tmp
     text = report(results)
     assert "| piper-optimized |" in text and "load per rank before (default)" in text
+    from piper_core.bench.placement_report import model_table, verdict_table
+
+    verdict = verdict_table(results)  # the table docs/placement-bench.md quotes, one row per case
+    assert verdict[0].startswith("| case | busiest rank / mean") and len(verdict) == 2 + len(results["cases"])
+    assert all(row.rstrip(" |").split("| ")[-1] in ("met", "**not met**", "no target") for row in verdict[2:])
+    rows = model_table(results)[2:]
+    assert len(rows) == sum(len(e["summary"]["table"]) for e in results["cases"] if "table" in e.get("summary", {}))
