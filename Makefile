@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIPER  := $(VENV)/bin/piper
 STAMP  := $(VENV)/.piper-installed
 TORCH  ?= torch==2.13.0
-PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=10
 # as root, measured runs use SCHED_FIFO ranks (--realtime) so other work on the machine does not
 # disturb their timings
 REALTIME := $(if $(filter 0,$(shell id -u)),--realtime,)
