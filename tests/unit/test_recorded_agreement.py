@@ -31,9 +31,9 @@ from piper_core.validate.report import refitted_clusters, repredicted, rows_from
 ROOT = Path(__file__).resolve().parents[2]
 SERIES = ROOT / "docs/validation/fp32"
 RUNS = ("rounds3-shared/1", "rounds3-shared/2", "rounds3-interleaved/1", "rounds3-dopt/1", "rounds3-dopt/2",
-        "rounds3-core/1")
-"""The recorded 3-round full-suite runs since the ``core_share`` term (2026-12-06); the earlier runs are
-re-predicted in docs/validation.md instead."""
+        "rounds3-core/1", "rounds3-core/3")
+"""The recorded 3-round full-suite runs since the ``core_share`` term (2026-12-06; rounds3-core/2 left
+no record, docs/validation.md says why); the earlier runs are re-predicted in docs/validation.md instead."""
 SLACK_MAPE, SLACK_WORST = 0.005, 0.01  # rounding of recorded profiles, not room for a regression
 REFERENCE = Path(__file__).with_name("recorded_agreement.json")
 
@@ -79,7 +79,7 @@ def _misses(recorded) -> list[str]:
 
 
 def test_this_version_predicts_the_recorded_runs_no_worse_than_its_reference(recorded):
-    assert sum(d[0]["verdict"]["cases"] for d in recorded.values()) >= 220  # every run of 6 full-suite runs
+    assert sum(d[0]["verdict"]["cases"] for d in recorded.values()) >= 220  # every run of 7 full-suite runs
     reference = json.loads(REFERENCE.read_text())
     assert set(reference) == set(RUNS)
     # the reference is never worse than what the runs recorded when they ran
