@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from piper_core.export import plan_label
     from piper_core.validate.cases import select, suite_for
     from piper_core.validate.compare import passed, row_json, verdict
-    from piper_core.validate.report import provenance, scatter, table
+    from piper_core.validate.report import commit_state, profile_record, provenance, scatter, table
     from piper_core.validate.run import STEPS, WARMUP, run_cases
 
     suite = suite_for(args.suite, quick=args.quick)
@@ -94,24 +94,28 @@ def run(args: argparse.Namespace) -> int:
     # runs one more probe round first; the profile is refitted from all of them after the last
     rows = []
     interleaved = suite.probe == "interleaved"
+    source, records = commit_state(), {}  # the code and each profile as the cases were predicted
     for topo in topologies:
         fresh = args.recalibrate or not (args.profiles / f"{topo}.yaml").is_file()
         profiles = profiles_for([topo], args.profiles, recalibrate=args.recalibrate, quick=args.quick,
                                 realtime=args.realtime, probe_rounds=1 if interleaved else suite.rounds)
         probe = ProbeRounds(topo, args.profiles / f"{topo}.yaml", fresh=fresh, realtime=args.realtime,
                             quick=args.quick) if interleaved else None
+        records[topo] = profile_record(args.profiles / f"{topo}.yaml")  # as loaded, before its cases run
         mine = [c for c in cases if c.topology == topo]
         rows += run_cases(mine, probe.profiles if probe else profiles, steps=steps, warmup=min(WARMUP, steps - 1),
                           rounds=suite.rounds, realtime=args.realtime, peak=not args.no_peak,
                           before_round=probe.before_round if probe else None,
                           progress=lambda i, n, done=len(rows), k=len(mine): progress(done + k * i / n, len(cases)))
+        if interleaved:  # refitted from every probe round after the last round of cases
+            records[topo] = profile_record(args.profiles / f"{topo}.yaml")
     order = {c.name: i for i, c in enumerate(cases)}
     rows.sort(key=lambda r: order[r.case.name])
     v = verdict(rows, suite.subsets)
     print(table(rows, v))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        record = provenance(suite, {t: args.profiles / f"{t}.yaml" for t in topologies})
+        record = provenance(suite, records, source)
         args.json.write_text(json.dumps(record | {"rows": [row_json(r) for r in rows], "verdict": v}, indent=1))
         print(f"wrote {args.json}")
     if args.plot:

@@ -101,7 +101,7 @@ def scatter(path: Path, rows: Sequence[Row], verdict: dict[str, Any]) -> Path:
     return path
 
 
-def _commit() -> dict[str, Any]:
+def commit_state() -> dict[str, Any]:
     """The checkout's commit and whether files differ from it (None outside a git checkout)."""
     root = Path(__file__).resolve().parents[2]
     try:
@@ -115,11 +115,19 @@ def _commit() -> dict[str, Any]:
     return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
 
 
-def provenance(suite: Suite, profiles: Mapping[str, Path]) -> dict[str, Any]:
-    """What a results file was produced from: the commit, the suite and each topology's profile."""
-    return {"source": _commit(), "suite": suite.provenance(),
-            "profiles": {t: {"path": str(p), "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-                         for t, p in profiles.items()}}
+def profile_record(path: Path) -> dict[str, str]:
+    """A profile's path and sha256, taken when predictions are made from it: a record written later
+    names what they came from, whatever happens to the file meanwhile."""
+    return {"path": str(path), "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest()}
+
+
+def provenance(suite: Suite, profiles: Mapping[str, Path | dict[str, str]],
+               source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a results file was produced from: the commit (``source``, as :func:`commit_state` took it
+    when the run began; now by default), the suite and each topology's profile (a path, hashed now, or
+    the :func:`profile_record` taken when its cases were predicted)."""
+    return {"source": source if source is not None else commit_state(), "suite": suite.provenance(),
+            "profiles": {t: p if isinstance(p, dict) else profile_record(p) for t, p in profiles.items()}}
 
 
 def rows_from_json(data: dict[str, Any]) -> tuple[list[Row], Suite]:

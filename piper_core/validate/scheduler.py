@@ -262,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from piper_core.cli.progress import Progress
     from piper_core.cli.validate import profiles_for
     from piper_core.errors import SpecError
-    from piper_core.validate.report import provenance
+    from piper_core.validate.report import commit_state, profile_record, provenance
     from piper_core.validate.run import STEPS, WARMUP
     from piper_core.validate.suite import load_suite
 
@@ -296,16 +296,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     train = _train(steps, warmup, a.realtime)
     results: dict[str, dict[str, Any]] = {}
+    source, records = commit_state(), {}  # the code and each profile as the jobs were predicted
     # one topology at a time, its calibration right before its jobs (as piper validate does): the
     # profile should describe the machine the runs meet
     for topo in topologies:
         cluster = profiles_for([topo], a.profiles, recalibrate=a.recalibrate, quick=False, realtime=a.realtime)[topo]
+        records[topo] = profile_record(a.profiles / f"{topo}.yaml")
         for j in jobs:
             if j.template.topology == topo:
                 results[j.name] = run_job(j, cluster, top=a.top, draws=a.random, seed=a.seed, repeats=a.repeats,
                                           train=train, progress=tick)
     results = [results[j.name] for j in jobs]
-    data = provenance(suite, {t: a.profiles / f"{t}.yaml" for t in topologies}) | {
+    data = provenance(suite, records, source) | {
         "command": "python -m piper_core.validate.scheduler " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": _machine(), "seed": a.seed, "top": a.top, "random": a.random, "repeats": a.repeats,
         "steps": steps, "warmup": warmup,

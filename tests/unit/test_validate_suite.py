@@ -13,7 +13,7 @@ import pytest
 from piper_core.errors import SpecError
 from piper_core.validate.compare import Row, passed, verdict
 from piper_core.validate.report import main as report_main
-from piper_core.validate.report import provenance, rows_from_json, table
+from piper_core.validate.report import profile_record, provenance, rows_from_json, table
 from piper_core.validate.suite import SUITES, load_suite
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,6 +115,12 @@ def test_a_results_file_records_commit_suite_and_profiles_and_reads_back(tmp_pat
                                "probe": "before"}
     assert record["profiles"]["local-2"] == {"path": str(profile), "sha256": hashlib.sha256(b"x: 1\n").hexdigest()}
     assert len(record["source"]["commit"] or "") == 40 and isinstance(record["source"]["dirty"], bool)
+    # piper validate takes each profile's record when its cases are predicted, and the commit when the
+    # run begins: a profile removed or rewritten afterwards neither loses the run's record nor changes it
+    taken, source = profile_record(profile), {"commit": "0" * 40, "dirty": False}
+    profile.unlink()
+    later = provenance(suite, {"local-2": taken}, source)
+    assert later["profiles"]["local-2"] == record["profiles"]["local-2"] and later["source"] == source
     # the recorded validation results judged again under this rule: every one of the 16 runs
     rows, full = rows_from_json(json.loads((ROOT / "docs/validation/results.json").read_text()))
     assert full.name == "full" and len(rows) == 16
