@@ -31,7 +31,8 @@ from piper_megatron.pins import OFF_NAMES
 USAGE = ("usage: python -m piper_megatron SCRIPT [Megatron arguments] --piper --piper-cluster NAME|YAML\n"
          "       [--piper-profile YAML] [--piper-a2a auto|flat|hierarchical] [--piper-chunks N|auto|tune]\n"
          "       [--piper-plan-only [--piper-world-size N]] [--piper-trace FILE] [--piper-off NAME[,NAME...]]\n"
-         "       [--piper-defer-wgrad] [--piper-placement FILE]\n"
+         "       [--piper-defer-wgrad] [--piper-placement FILE] [--piper-routing FILE ...]\n"
+         "       [--piper-migrate-every N [--piper-migrate-horizon H]]\n"
          "--piper-off NAME: a Megatron switch the plan must leave off, one of: " + ", ".join(OFF_NAMES))
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,7 +57,11 @@ class PiperOptions:
     for every MoE layer or per layer (:mod:`piper_core.runtime.placement`; read and checked against the
     plan by ``install.plan_job``);
     ``routing`` (``--piper-routing``): tokens per expert per MoE layer, a histogram or ``--piper-trace``
-    files (:mod:`piper_core.specs.routing`): the scheduler prices each MoE layer at its measured load."""
+    files (:mod:`piper_core.specs.routing`): the scheduler prices each MoE layer at its measured load;
+    ``migrate_every`` (``--piper-migrate-every``): every that many iterations, between two of them,
+    decide from the tokens routed since the last decision whether moving experts pays over
+    ``migrate_horizon`` iterations (``--piper-migrate-horizon``, default ``migrate_every``), and move
+    them if it does (:mod:`piper_megatron.live`)."""
 
     enabled: bool
     cluster: str | None = None
@@ -73,6 +78,8 @@ class PiperOptions:
     defer_wgrad: bool = False
     placement: Path | None = None
     routing: tuple[Path, ...] = ()
+    migrate_every: int | None = None
+    migrate_horizon: int | None = None
 
 
 def _chunks(text: str) -> int | str | None:
@@ -126,6 +133,16 @@ def add_piper_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="measured routing (a tokens-per-expert histogram per MoE layer, or this job's "
                             "--piper-trace files): the scheduler prices each MoE layer at its busiest rank under the "
                             "placement (--piper-placement, else Megatron's contiguous one; docs/routing.md)")
+    group.add_argument("--piper-migrate-every", metavar="N",
+                       help="every N iterations, between two of them: sum the tokens each MoE layer's router sent "
+                            "each expert since the last decision over the job, let the placement optimizer propose "
+                            "a placement per layer, and move the experts (weights, gradients, optimizer state) when "
+                            "the predicted step saving over --piper-migrate-horizon iterations exceeds the predicted "
+                            "move; rank 0 prints each decision, checkpoints keep the placement "
+                            "(docs/migration.md)")
+    group.add_argument("--piper-migrate-horizon", metavar="H",
+                       help="iterations a migration's predicted saving is counted over (default: "
+                            "--piper-migrate-every's N)")
     group.add_argument("--piper-plan-only", action="store_true", help="print the plan and exit")
     group.add_argument("--piper-trace", type=Path, metavar="FILE",
                        help="write per-layer, per-rank dispatch/expert/combine times as JSON lines")
@@ -167,7 +184,9 @@ def piper_options(ns: argparse.Namespace) -> PiperOptions:
                            off=off_names(getattr(ns, "piper_off", None)),
                            defer_wgrad=bool(getattr(ns, "piper_defer_wgrad", False)),
                            placement=getattr(ns, "piper_placement", None),
-                           routing=tuple(getattr(ns, "piper_routing", None) or ()))
+                           routing=tuple(getattr(ns, "piper_routing", None) or ()),
+                           migrate_every=_iterations(ns, "piper_migrate_every"),
+                           migrate_horizon=_iterations(ns, "piper_migrate_horizon"))
     given = [flag for flag, on in (("--piper-cluster", options.cluster), ("--piper-profile", options.profile),
                                    ("--piper-a2a", given_a2a != "auto"), ("--piper-chunks", given_chunks),
                                    ("--piper-plan-only", options.plan_only), ("--piper-trace", options.trace),
@@ -175,6 +194,8 @@ def piper_options(ns: argparse.Namespace) -> PiperOptions:
                                    ("--piper-defer-wgrad", options.defer_wgrad),
                                    ("--piper-placement", options.placement),
                                    ("--piper-routing", options.routing),
+                                   ("--piper-migrate-every", options.migrate_every),
+                                   ("--piper-migrate-horizon", options.migrate_horizon),
                                    ("--piper-off", getattr(ns, "piper_off", None))) if on]
     if given and not options.enabled:
         raise SpecError(given[0], "given", "Piper's flags act only together with --piper (without it nothing of "
@@ -183,10 +204,35 @@ def piper_options(ns: argparse.Namespace) -> PiperOptions:
         raise SpecError("--piper-world-size", options.world_size, "stands in for the launcher only when "
                         "planning (--piper-plan-only); a real run takes its world size from the launcher",
                         "add --piper-plan-only, or drop --piper-world-size and launch with torchrun")
+    if options.migrate_horizon is not None and options.migrate_every is None:
+        raise SpecError("--piper-migrate-horizon", options.migrate_horizon, "counts a migration's gain over that many "
+                        "iterations, and no migration is decided without --piper-migrate-every",
+                        "add --piper-migrate-every N, or drop --piper-migrate-horizon")
+    if options.migrate_every is not None and options.migrate_horizon is None:
+        options = dataclasses.replace(options, migrate_horizon=options.migrate_every)
     if options.profile is not None and options.profile.suffix not in (".yaml", ".yml"):
         raise SpecError("--piper-profile", str(options.profile), "must be a YAML file (.yaml or .yml)",
                         "pass the profile `piper calibrate --out` wrote")
     return options
+
+
+def _iterations(ns: argparse.Namespace, dest: str) -> int | None:
+    """A whole number of iterations >= 1 given as ``--piper-migrate-*`` (None when not given; SpecError
+    naming the flag otherwise)."""
+    text = getattr(ns, dest, None)
+    if text is None:
+        return None
+    flag = "--" + dest.replace("_", "-")
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        value = None
+    if value is None or value < 1:
+        what = "decides every that many iterations" if dest == "piper_migrate_every" else \
+            "counts the gain over that many iterations"
+        raise SpecError(flag, text, f"must be a whole number of iterations >= 1 ({what})",
+                        f"write e.g. {flag} 100")
+    return value
 
 
 def _read_a2a_flag(given: str, chunks: int | str | None) -> tuple[A2AFlag, int, tuple[str, ...]]:

@@ -128,7 +128,9 @@ class DispatchSettings:
     count the plan assumed. Every layer runs the fused path, one chunk included. ``placement``: where
     each logical expert lives (None: logical expert ``l`` in slot ``l``), one placement for every MoE
     layer or one per layer (:class:`~piper_core.runtime.placement.LayerPlacements`, applied when
-    Megatron gives the layer its ``layer_number``)."""
+    Megatron gives the layer its ``layer_number``). ``count_tokens``: each layer sums the tokens its
+    router sends each logical expert, for :meth:`PiperTokenDispatcher.take_routed_tokens`
+    (``--piper-migrate-every``, :mod:`piper_megatron.live`)."""
 
     # ParallelPlan.a2a values (the aggregated exchange is the runtime's, no plan's)
     PLAN_ALGORITHMS: ClassVar[tuple[str, ...]] = PIPER_ALGORITHMS
@@ -137,6 +139,7 @@ class DispatchSettings:
     tune: bool = False
     defer_wgrad: bool = False
     placement: Placements | None = None
+    count_tokens: bool = False  # each layer sums the tokens its router sends each logical expert (take_routed_tokens)
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunks, int) or self.chunks < 1:
@@ -144,7 +147,7 @@ class DispatchSettings:
 
     @classmethod
     def from_plan(cls, a2a: str, chunks: int, *, tune: bool = False, defer_wgrad: bool = False,
-                  placement: Placements | None = None) -> DispatchSettings:
+                  placement: Placements | None = None, count_tokens: bool = False) -> DispatchSettings:
         """A ParallelPlan's ``a2a`` (flat|hierarchical: the exchange of every chunk) and
         ``a2a_chunks`` (> 1: pipelined), as the step-time model prices them (piper_core/timing/
         layer.py); ``tune`` measures the chunk count of either algorithm at run time. A setting
@@ -156,7 +159,8 @@ class DispatchSettings:
         if a2a not in cls.PLAN_ALGORITHMS:
             raise SpecError("a2a", a2a, f"a plan's exchange algorithm is one of {', '.join(cls.PLAN_ALGORITHMS)}",
                             "use flat or hierarchical, and the chunk count for pipelining")
-        return cls(algorithm=Algorithm(a2a), chunks=chunks, tune=tune, defer_wgrad=defer_wgrad, placement=placement)
+        return cls(algorithm=Algorithm(a2a), chunks=chunks, tune=tune, defer_wgrad=defer_wgrad, placement=placement,
+                   count_tokens=count_tokens)
 
     @property
     def pipelined(self) -> bool:
@@ -234,6 +238,7 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._fused = False  # MoELayer.dispatch opened a fused call for this step
         self._warned = False  # the phase-driven fallback has been reported (once per dispatcher)
         self.layer_number: int | None = None  # the MoE layer's, once Megatron sets it
+        self._routed: torch.Tensor | None = None  # tokens per logical expert since take_routed_tokens (count_tokens)
         self._record: LayerRecord | None = None
         self.auto_chunks = _ExpertGroupAutoChunks(binding.comm, self.tp_group, candidates=ADAPTER_CANDIDATES,
                                                   trials=ADAPTER_TRIALS) \
@@ -259,6 +264,14 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
         :func:`piper_megatron.migrate.migrate` moves them and calls this."""
         self._logical_at = _logical_at(placement, num_experts=self.num_experts, ep=self.ep_size)
         self.placement = placement
+
+    def take_routed_tokens(self) -> torch.Tensor:
+        """The tokens this rank's router sent each logical expert of this layer since the last call (int64
+        ``[E]``, on the router's device; counted with ``DispatchSettings.count_tokens``, once per forward
+        of the layer, recomputed forwards included), and start counting again."""
+        routed = self._routed if self._routed is not None else torch.zeros(self.num_experts, dtype=torch.long)
+        self._routed = None
+        return routed
 
     # ---- metadata ----------------------------------------------------------------------------
     def preprocess(self, routing_map: torch.Tensor) -> torch.Tensor:
@@ -370,6 +383,9 @@ class PiperTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self._shared, self.shared_experts = shared_experts, None
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        if self.binding.settings.count_tokens:  # in logical experts: before the reorder
+            routed = routing_map.sum(dim=0, dtype=torch.long)
+            self._routed = routed if self._routed is None else self._routed + routed
         if self._logical_at is not None:  # router columns (logical experts) -> physical slots (module doc)
             index = self._logical_at.to(routing_map.device)
             routing_map, probs = routing_map.index_select(1, index), probs.index_select(1, index)

@@ -20,6 +20,13 @@ validates its arguments (without it, nothing of Megatron is imported or changed)
 3. ``parallel_state.initialize_model_parallel`` (MoE models only), once the expert-parallel groups
    exist: creates Piper's all-to-all groups and installs :class:`~piper_megatron.dispatcher.
    PiperTokenDispatcher` (and the ``--piper-trace`` tracer) before the model is built.
+4. Megatron-LM's training loop (MoE models, when ``megatron.training.training`` runs the job), looked
+   up by name in that module when ``train`` and ``setup_model_and_optimizer`` call them:
+   ``save_checkpoint`` also writes ``piper_placement.json`` (every MoE layer's placement) into the
+   saved iteration's directory (rank 0); ``load_checkpoint`` then routes each MoE layer by the loaded
+   iteration's ``piper_placement.json`` where it has one (the slots' weights and optimizer state are
+   the checkpoint's); with ``--piper-migrate-every N``, ``train_step`` is followed every N iterations
+   by the migration decision of :mod:`piper_megatron.live`.
 
 :meth:`Installation.restore` undoes every hook. The release comes from
 ``megatron.core.package_info.__version__`` (:func:`piper_megatron.versions.installed_release`);
@@ -31,6 +38,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -164,6 +172,7 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
     if layout is not None:
         check_layout_model(model, layout, key=LAYOUT_FLAG)
     fp32 = _precision(ns, pins) == "fp32"
+    _check_migrate(ns, options, model)
     cluster, notes = _cluster(options)
     cluster = _experts_as_written(ns, options, cluster)
     notes += [*options.notes, *([FP32_NOTE] if fp32 else []), *vocab_notes(ns, defaults or {}, release)]
@@ -216,8 +225,39 @@ def plan_job(ns: Any, argv: Sequence[str], options: PiperOptions, *, world_size:
         hint = resume.hint() if resume is not None else ""
         raise Infeasible(_no_plan(model, cluster, world_size, gbs, pins, result) + hint, rule="no feasible plan")
     check_save(ns, resume, model, best[0].plan)
+    _check_migrate_plan(options, best[0].plan)
     return Planned(model=model, cluster=cluster, gpus=world_size, gbs=gbs, pins=pins, result=result, best=best,
                    notes=tuple(notes + _pin_notes(pins)), placement=placement)
+
+
+MIGRATE_FLAG = "--piper-migrate-every"
+
+
+def _check_migrate(ns: Any, options: PiperOptions, model: ModelSpec) -> None:
+    """SpecError when ``--piper-migrate-every`` cannot run on this job (no experts, experts in shared
+    tensors, optimizer state kept scaled): before any search."""
+    every = options.migrate_every
+    if every is None:
+        return
+    if not model.is_moe:
+        raise SpecError(MIGRATE_FLAG, every, "moves experts between expert-parallel ranks, and this model has none",
+                        f"drop {MIGRATE_FLAG}, or add --num-experts")
+    if getattr(ns, "moe_grouped_gemm", False):
+        raise SpecError(MIGRATE_FLAG, every, "moves experts one module each (Megatron's SequentialMLP); "
+                        "--moe-grouped-gemm keeps all of a rank's experts in shared tensors",
+                        f"drop --moe-grouped-gemm or {MIGRATE_FLAG}")
+    if getattr(ns, "use_precision_aware_optimizer", False):
+        raise SpecError(MIGRATE_FLAG, every, "moves the distributed optimizer's state as fp32; "
+                        "--use-precision-aware-optimizer keeps it scaled in lower precision",
+                        f"drop --use-precision-aware-optimizer or {MIGRATE_FLAG}")
+
+
+def _check_migrate_plan(options: PiperOptions, plan: Any) -> None:
+    """SpecError when the chosen plan offloads optimizer state, which migration does not move."""
+    if options.migrate_every is not None and plan.optimizer_offload_fraction:
+        raise SpecError(MIGRATE_FLAG, options.migrate_every, f"moves optimizer state between ranks, and the plan "
+                        f"{describe(plan)} offloads {plan.optimizer_offload_fraction:g} of it to the host",
+                        f"add --piper-off optimizer-cpu-offload, or drop {MIGRATE_FLAG}")
 
 
 def _routing(options: PiperOptions, model: ModelSpec) -> Any:
@@ -375,6 +415,7 @@ class DispatchRequest:
     timeout_minutes: float
     trace: Any = None
     placement: Any = None  # an ExpertPlacement or LayerPlacements (--piper-placement), or None for the default
+    count_tokens: bool = False  # the dispatchers count tokens per logical expert (--piper-migrate-every)
 
 
 class Installation:
@@ -389,6 +430,13 @@ class Installation:
         self._tracer: Any = None
         self.planned: Planned | None = None
         self.changes: list[Change] = []
+        self._args: Any = None  # Megatron's arguments (prepare)
+        self._options: PiperOptions | None = None
+        self._training_hooked = False
+        self._live: Any = None  # piper_megatron.live.LiveSettings with --piper-migrate-every
+        self.placements: dict[int, Any] | None = None  # every MoE layer's placement now (piper_megatron.live)
+        self._counted_since = 0  # the iteration the migration decision's token counts start after
+        self._iteration = 0  # the last iteration trained (as Megatron logs them, from 1)
 
     def _set(self, owner: Any, name: str, value: Any) -> None:
         self._saved.append((owner, name, getattr(owner, name)))
@@ -441,6 +489,7 @@ class Installation:
         """Plan, rewrite ``args`` in place, report on rank 0; exits for ``--piper-plan-only``. With
         ``--save DIR``, rank 0 records the plan in DIR for a run that resumes from it."""
         options = piper_options(args)
+        self._args, self._options = args, options
         argv = self._argv if self._argv is not None else sys.argv[1:]
         world = options.world_size or getattr(args, "world_size", 1)
         self.planned = plan_job(args, argv, options, world_size=world, defaults=defaults, release=self.release)
@@ -501,8 +550,120 @@ class Installation:
             self._tracer = Tracer.for_rank(request.trace, rank=dist.get_rank(), world_size=world)
             atexit.register(self._tracer.close)
         settings = DispatchSettings.from_plan(request.a2a, request.chunks, tune=request.tune,
-                                              defer_wgrad=request.defer_wgrad, placement=request.placement)
+                                              defer_wgrad=request.defer_wgrad, placement=request.placement,
+                                              count_tokens=request.count_tokens)
         self._dispatcher = install_dispatcher(comm, settings, tracer=self._tracer)
+        self._hook_training(request)
+
+    # ---- Megatron-LM's training loop ------------------------------------------------------------------
+
+    def _hook_training(self, request: DispatchRequest) -> None:
+        """Hook 4 of the module docstring, once, where Megatron-LM's training loop runs the job."""
+        training = sys.modules.get("megatron.training.training")
+        if training is None or self.planned is None or self._training_hooked:
+            return
+        from piper_megatron.live import LiveSettings, job_placements
+
+        self._training_hooked = True
+        planned, options = self.planned, self._options
+        self.placements = job_placements(planned.model, planned.top.plan.ep, planned.placement)
+        self._set(training, "save_checkpoint", self._save_hook(training.save_checkpoint))
+        self._set(training, "load_checkpoint", self._load_hook(training.load_checkpoint))
+        if options is not None and options.migrate_every is not None:
+            self._live = LiveSettings(every=options.migrate_every, horizon=options.migrate_horizon,
+                                      model=planned.model, plan=planned.top.plan, cluster=planned.cluster,
+                                      timeout=timedelta(minutes=request.timeout_minutes))
+            self._set(training, "train_step", self._train_step_hook(training.train_step))
+
+    def _train_step_hook(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        def train_step(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            given = signature.bind(*args, **kwargs).arguments
+            self._after_iteration(given["model"], given["optimizer"], given.get("iteration"))
+            return result
+
+        train_step.__wrapped__ = original  # type: ignore[attr-defined]
+        return train_step
+
+    def _after_iteration(self, model: list[Any], optimizer: Any, iteration: int | None) -> None:
+        """Every ``--piper-migrate-every`` iterations (counted as Megatron logs them, from 1): decide,
+        and migrate when it pays (:func:`piper_megatron.live.decide`); rank 0 prints the decision."""
+        import torch.distributed as dist
+
+        from piper_megatron.live import decide
+
+        done = self._iteration = (iteration if iteration is not None else self._iteration) + 1
+        if done % self._live.every:
+            return
+        outcome = decide(self._live, model, optimizer, self.placements, iteration=done, since=self._counted_since)
+        self.placements, self._counted_since = outcome.placements, done
+        if dist.get_rank() == 0:
+            print(outcome.line(), file=self._out, flush=True)
+
+    def _save_hook(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            given = signature.bind(*args, **kwargs).arguments
+            if not given.get("non_persistent_ckpt", False):
+                self._save_placements(given["iteration"], bool(given.get("release", False)))
+            return result
+
+        save_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
+        return save_checkpoint
+
+    def _save_placements(self, iteration: int, release: bool) -> None:
+        """Rank 0 writes every MoE layer's placement into the saved iteration's directory."""
+        import torch.distributed as dist
+
+        from piper_megatron.migrate import write_placements
+
+        save = getattr(self._args, "save", None)
+        if save is None or dist.get_rank() != 0:
+            return
+        checkpointing = importlib.import_module("megatron.training.checkpointing")
+        directory = checkpointing.get_checkpoint_name(save, iteration, release=release, return_base_dir=True)
+        write_placements(directory, self.placements)
+
+    def _load_hook(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            given = signature.bind(*args, **kwargs).arguments
+            self._load_placements(given["ddp_model"], given.get("load_arg", "load"), result)
+            return result
+
+        load_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
+        return load_checkpoint
+
+    def _load_placements(self, model: list[Any], load_arg: str, result: Any) -> None:
+        """Route by the loaded iteration's ``piper_placement.json`` where it has one (a checkpoint without
+        one: the dispatchers keep what they route by, Megatron's default or ``--piper-placement``)."""
+        import torch.distributed as dist
+
+        from piper_megatron.live import saved_placements
+        from piper_megatron.migrate import apply_placements
+
+        iteration = result[0] if isinstance(result, tuple) and result and isinstance(result[0], int) else 0
+        self._counted_since = self._iteration = iteration
+        if getattr(self._args, load_arg, None) is None:
+            return
+        checkpointing = importlib.import_module("megatron.training.checkpointing")
+        # the directory load_checkpoint read: the tracker's iteration, or --ckpt-step
+        directory = checkpointing.get_load_checkpoint_path_by_args(self._args, load_arg)
+        placements = saved_placements(directory, self.planned.model, self.planned.top.plan.ep)
+        if placements is None:
+            return
+        apply_placements(model, placements)
+        self.placements = placements
+        if dist.get_rank() == 0:
+            moved = [n for n, p in placements.items() if not p.is_default]
+            print(f"piper: each MoE layer routes by the loaded checkpoint's expert placement, {directory}/"
+                  f"piper_placement.json (layers {moved or 'none'} off the default)", file=self._out, flush=True)
 
 
 # megatron.training's imports beyond the megatron-core wheel's requirements (pyproject's megatron-lm extra).
@@ -544,7 +705,8 @@ def dispatch_request(planned: Planned, options: PiperOptions, timeout_minutes: i
     plan = planned.top.plan
     return DispatchRequest(a2a=plan.a2a, chunks=plan.a2a_chunks, tune=options.tune, defer_wgrad=plan.defer_wgrad,
                            ranks_per_node=planned.cluster.exchange_domain_ranks(_ranks_per_node()),
-                           timeout_minutes=timeout_minutes, trace=options.trace, placement=planned.placement)
+                           timeout_minutes=timeout_minutes, trace=options.trace, placement=planned.placement,
+                           count_tokens=options.migrate_every is not None)
 
 
 def _ranks_per_node() -> int | None:

@@ -75,7 +75,8 @@ class MigrationReport:
 
 # ---- the model's MoE layers ----------------------------------------------------------------------
 
-def _dispatcher(layer: Any, number: int) -> Any:
+def piper_dispatcher(layer: Any, number: int) -> Any:
+    """MoE layer ``number``'s token dispatcher, which must be Piper's (SpecError otherwise)."""
     from piper_megatron.dispatcher import PiperTokenDispatcher
 
     d = layer.token_dispatcher
@@ -90,7 +91,7 @@ def current_placements(chunks: Iterable[torch.nn.Module]) -> dict[int, ExpertPla
     """layer_number -> the placement each MoE layer's dispatcher routes by (default where none)."""
     out = {}
     for number, layer in moe_layers(chunks).items():
-        d = _dispatcher(layer, number)
+        d = piper_dispatcher(layer, number)
         out[number] = d.placement or ExpertPlacement.default(d.num_experts, d.ep_size)
     return out
 
@@ -311,7 +312,7 @@ def migrate(chunks: list[torch.nn.Module], optimizer: Any, target: ExpertPlaceme
                           {n: wanted.get(n, current[n]).ranks for n in layers},
                           num_experts=first.num_experts, ep=first.ep)
     number0 = next(iter(layers))
-    group = _dispatcher(layers[number0], number0).ep_group
+    group = piper_dispatcher(layers[number0], number0).ep_group
     ranks = tuple(dist.get_process_group_ranks(group))
     me = dist.get_rank(group)
     resolve, sharded, full = None, [], {}
@@ -336,7 +337,7 @@ def migrate(chunks: list[torch.nn.Module], optimizer: Any, target: ExpertPlaceme
     placements = {n: ExpertPlacement(num_experts=first.num_experts, ep=first.ep, ranks=dict(plan.target)[n])
                   for n in layers}
     for n, p in placements.items():
-        _dispatcher(layers[n], n).set_placement(None if p.is_default else p)
+        piper_dispatcher(layers[n], n).set_placement(None if p.is_default else p)
     return MigrationReport(plan=plan, sent_bytes=sent, received_bytes=received, seconds=seconds,
                            placements=placements, phases=phases)
 
@@ -438,4 +439,4 @@ def apply_placements(chunks: list[torch.nn.Module], placements: Mapping[int, Exp
                         "pass the piper_placement.json saved with the checkpoint")
     for n, layer in layers.items():
         p = placements[n]
-        _dispatcher(layer, n).set_placement(None if p.is_default else p)
+        piper_dispatcher(layer, n).set_placement(None if p.is_default else p)

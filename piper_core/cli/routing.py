@@ -19,6 +19,7 @@ import sys
 from piper_core.errors import SpecError
 from piper_core.resource.routing import (RoutedPrediction, default_placement, load_placement, predict_routed,
                                          routed_to_json, routing_json)
+from piper_core.scheduler.migration import layer_range
 from piper_core.specs.routing import load_routing
 
 HELP_ROUTING = ("tokens per expert per MoE layer: a histogram (YAML/JSON: num_experts, layers: {layer_number: "
@@ -67,9 +68,7 @@ def routing_lines(r: RoutedPrediction) -> list[str]:
     widths = [max(len(c), 7) for c in cols]
     lines = ["", head, "  " + "  ".join(f"{c:>{w}}" for c, w in zip(cols, widths))]
     for layers, cells in rows[:MAX_LAYER_ROWS]:
-        name = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}" if \
-            layers[-1] - layers[0] == len(layers) - 1 else f"{layers[0]},..,{layers[-1]}"
-        lines.append("  " + "  ".join(f"{c:>{w}}" for c, w in zip((name, *cells), widths)))
+        lines.append("  " + "  ".join(f"{c:>{w}}" for c, w in zip((layer_range(layers), *cells), widths)))
     if len(rows) > MAX_LAYER_ROWS:
         lines.append(f"  ... {len(rows) - MAX_LAYER_ROWS} more rows (--json lists every layer)")
     if cf is not None:
@@ -304,57 +303,42 @@ def _check_migration_args(args: argparse.Namespace, plan) -> None:
 
 
 def _migration(args: argparse.Namespace, model, routing, plan, found) -> tuple[dict, list[str]]:
-    """(the ``migration`` JSON, the text lines) of moving from ``--current`` to the optimised placement."""
+    """(the ``migration`` JSON, the text lines) of moving from ``--current`` to the optimised placement
+    (:func:`piper_core.scheduler.migration.choose`)."""
     from piper_core.cli.parse import target_cluster
-    from piper_core.scheduler.migration import decide, migration_json, move_time, plan_migration, swap_target
+    from piper_core.scheduler.migration import choose, migration_json, move_rows
 
     cluster = target_cluster(args)
     current = load_placement(args.current, model, plan.ep)
-    before = predict_routed(model, cluster, plan, routing, current).prediction.time.step
-    candidates = {"swaps from --current": swap_target(routing, current, plan.ep),
-                  "the optimizer's placement": {p.layer: p.placement for p in found}}
-    priced = {}
-    for name, target in candidates.items():
-        migration = plan_migration(current, target, num_experts=model.num_experts, ep=plan.ep)
-        after = predict_routed(model, cluster, plan, routing, dict(migration.target)).prediction.time.step
-        cost = move_time(migration, model, plan, cluster)
-        priced[name] = (migration, decide(horizon=args.horizon, step_before_s=before, step_after_s=after, cost=cost))
-    chosen = max(priced, key=lambda k: (priced[k][1].gain_s - priced[k][1].cost.seconds, k == "swaps from --current"))
-    migration, decision = priced[chosen]
+    choice = choose(model, cluster, plan, routing, current, horizon=args.horizon,
+                    optimized={p.layer: p.placement for p in found})
+    names = {"swaps": "swaps from --current", "optimizer": "the optimizer's placement"}
+    chosen = choice.chosen
+    migration, decision = chosen.migration, chosen.decision
     cost = decision.cost
     b = cost.bytes_per_expert
-    others = "; ".join(f"{k}: {d.cost.experts} moves, step {d.step_after_s:.4g} s, move {d.cost.seconds:.4g} s"
-                       for k, (_, d) in priced.items())
-    lines = [f"candidates ({others}): chose {chosen} (the larger gain net of the move)",
+    others = "; ".join(f"{names[c.name]}: {c.decision.cost.experts} moves, step {c.decision.step_after_s:.4g} s, "
+                       f"move {c.decision.cost.seconds:.4g} s" for c in choice.candidates)
+    lines = [f"candidates ({others}): chose {names[chosen.name]} (the larger gain net of the move)",
              f"migration from {args.current}: {cost.experts} experts change rank in "
              f"{len({m.layer for m in migration.crossing})} layers (+ {len(migration.moves) - cost.experts} slot "
              f"changes within a rank); per expert {b.params:,} parameters, {b.total / 2**20:.4g} MiB moved "
              f"(weights {b.weights / 2**20:.4g}, gradients {b.gradients / 2**20:.4g}, optimizer "
              f"{b.optimizer / 2**20:.4g})"]
-    rows: list[tuple[list[int], str]] = []
-    for layer, moves in migration.by_layer().items():
-        crossing = [m for m in moves if m.crosses]
-        if not crossing:
-            continue
-        text = ", ".join(f"expert {m.expert} rank {m.src_rank}->{m.dst_rank}" for m in crossing) \
-            if len(crossing) <= MAX_MOVES_SHOWN else f"{len(crossing)} experts change rank (--json lists them)"
-        if rows and rows[-1][1] == text:
-            rows[-1][0].append(layer)
-        else:
-            rows.append(([layer], text))
+    rows = move_rows(migration, max_shown=MAX_MOVES_SHOWN)
     for layers, text in rows[:MAX_LAYER_ROWS]:
-        name = str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}" if \
-            layers[-1] - layers[0] == len(layers) - 1 else f"{layers[0]},..,{layers[-1]}"
-        lines.append(f"  layer {name}: {text}")
+        if not text.startswith("expert "):
+            text += " (--json lists them)"
+        lines.append(f"  layer {layer_range(layers)}: {text}")
     if len(rows) > MAX_LAYER_ROWS:
         lines.append(f"  ... {len(rows) - MAX_LAYER_ROWS} more rows (--json lists every move)")
     levels = ", ".join(f"{name} {n / 2**20:.4g} MiB" for name, n in cost.levels) or "none"
     lines += [f"predicted move {cost.seconds:.4g} s (busiest rank {cost.busiest_rank_bytes / 2**20:.4g} MiB; over "
-              f"{levels}); step {before:.4g} s -> {after:.4g} s",
+              f"{levels}); step {decision.step_before_s:.4g} s -> {decision.step_after_s:.4g} s",
               f"decision: {decision.reason()}"]
     if args.out:
         lines.append(f"{args.out} holds the target aligned to --current (experts that stay on a rank keep their slot)")
-    return migration_json(migration, decision, candidate=chosen), lines
+    return migration_json(migration, decision, candidate=names[chosen.name]), lines
 
 
 def placement_text(data: dict) -> str:

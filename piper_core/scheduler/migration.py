@@ -24,7 +24,10 @@ a placement changes, what a move costs, and whether it pays for itself.
   :func:`swap_target` (swap descent from the current placement: only the swaps that lower the busiest
   rank); ``piper placement --current`` prices both and keeps the one with the larger net gain.
 * **Decision** (:func:`decide`): migrate when the predicted step saving under the new placement,
-  over the next ``horizon`` steps, exceeds the move's predicted time.
+  over the next ``horizon`` steps, exceeds the move's predicted time. :func:`choose` prices both
+  candidates from a routing and the current placements and keeps the larger net gain: what ``piper
+  placement --current`` prints and what Megatron-LM's ``--piper-migrate-every`` runs between iterations
+  (:mod:`piper_megatron.live`).
 
 Pure Python (no torch): the runtime half is :mod:`piper_megatron.migrate`.
 """
@@ -282,11 +285,17 @@ class Decision:
                 f"(pays off after {be:.3g} steps)")
 
 
-def decide(*, horizon: int, step_before_s: float, step_after_s: float, cost: MoveCost) -> Decision:
-    """The rule (module docstring); ``horizon`` must be a positive number of steps."""
+def check_horizon(horizon: int) -> int:
+    """``horizon`` when it is a positive number of steps (SpecError otherwise)."""
     if type(horizon) is not int or horizon < 1:
         raise SpecError("--horizon", horizon, "must be a whole number of steps >= 1",
                         "give the steps the new placement will run before it is reconsidered, e.g. --horizon 100")
+    return horizon
+
+
+def decide(*, horizon: int, step_before_s: float, step_after_s: float, cost: MoveCost) -> Decision:
+    """The rule (module docstring); ``horizon`` must be a positive number of steps."""
+    check_horizon(horizon)
     return Decision(horizon=horizon, step_before_s=step_before_s, step_after_s=step_after_s, cost=cost)
 
 
@@ -305,3 +314,82 @@ def migration_json(migration: MigrationPlan, decision: Decision, *, candidate: s
             "break_even_steps": decision.break_even_steps, "migrate": decision.migrate, "reason": decision.reason(),
             "target": {"num_experts": migration.num_experts, "ep": migration.ep,
                        "layers": {str(k): [list(r) for r in v] for k, v in migration.target}}}
+
+
+# ---- choosing a target (piper placement --current, --piper-migrate-every) ---------------------------
+
+SWAPS, OPTIMIZER = "swaps", "optimizer"  # the candidates of :func:`choose`
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Priced:
+    """One candidate target: ``name`` (:data:`SWAPS` or :data:`OPTIMIZER`), its moves and the decision."""
+
+    name: str
+    migration: MigrationPlan
+    decision: Decision
+
+    @property
+    def net_s(self) -> float:
+        """The gain over the horizon net of the move."""
+        return self.decision.gain_s - self.decision.cost.seconds
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Choice:
+    """Every candidate priced, and the one with the larger net gain (ties: swaps, fewer moves)."""
+
+    candidates: tuple[Priced, ...]
+
+    @property
+    def chosen(self) -> Priced:
+        return max(self.candidates, key=lambda c: (c.net_s, c.name == SWAPS))
+
+
+def choose(model: ModelSpec, cluster: ClusterSpec, plan: ParallelPlan, routing: Routing,
+           current: dict[int, Placement], *, horizon: int,
+           optimized: dict[int, Placement] | None = None) -> Choice:
+    """Price moving from ``current`` (layer_number -> placement; Megatron's default where a layer is not
+    given) to :func:`swap_target` and to the placement optimizer's (``optimized``, else
+    :func:`piper_core.scheduler.placement.optimize` of ``routing``), each step under ``routing``
+    (:func:`piper_core.resource.routing.predict_routed`), each move by :func:`move_time`, each
+    decision by :func:`decide` over ``horizon`` steps."""
+    from piper_core.resource.routing import predict_routed
+    from piper_core.scheduler.placement import optimize
+
+    check_horizon(horizon)
+    if optimized is None:
+        optimized = {p.layer: p.placement for p in optimize(routing, plan.ep)}
+    before = predict_routed(model, cluster, plan, routing, current).prediction.time.step
+    out = []
+    for name, target in ((SWAPS, swap_target(routing, current, plan.ep)), (OPTIMIZER, optimized)):
+        migration = plan_migration(current, target, num_experts=model.num_experts, ep=plan.ep)
+        after = predict_routed(model, cluster, plan, routing, dict(migration.target)).prediction.time.step
+        cost = move_time(migration, model, plan, cluster)
+        out.append(Priced(name=name, migration=migration,
+                          decision=decide(horizon=horizon, step_before_s=before, step_after_s=after, cost=cost)))
+    return Choice(candidates=tuple(out))
+
+
+def layer_range(layers: list[int]) -> str:
+    """``[3]`` -> ``3``; consecutive -> ``2-48``; else ``first,..,last``."""
+    if len(layers) == 1:
+        return str(layers[0])
+    return f"{layers[0]}-{layers[-1]}" if layers[-1] - layers[0] == len(layers) - 1 else f"{layers[0]},..,{layers[-1]}"
+
+
+def move_rows(migration: MigrationPlan, *, max_shown: int) -> list[tuple[list[int], str]]:
+    """The experts that change rank, per layer (``expert 5 rank 0->1, ...``, or their number above
+    ``max_shown``), consecutive layers with the same text merged: (layer numbers, text)."""
+    rows: list[tuple[list[int], str]] = []
+    for layer, moves in migration.by_layer().items():
+        crossing = [m for m in moves if m.crosses]
+        if not crossing:
+            continue
+        text = ", ".join(f"expert {m.expert} rank {m.src_rank}->{m.dst_rank}" for m in crossing) \
+            if len(crossing) <= max_shown else f"{len(crossing)} experts change rank"
+        if rows and rows[-1][1] == text:
+            rows[-1][0].append(layer)
+        else:
+            rows.append(([layer], text))
+    return rows

@@ -141,3 +141,28 @@ def test_an_optimizer_whose_state_migration_does_not_know_is_refused():
     p.grad = torch.ones(2)
     adam.step()
     assert sorted(optimizer_state(adam, [p])(p)) == ["exp_avg", "exp_avg_sq", "step"]
+
+
+def test_the_job_placements_live_migration_starts_from_and_resumes_with(tmp_path):
+    """--piper-migrate-every's record of every MoE layer's placement (piper_megatron.live): from
+    --piper-placement (one for every layer, or per layer) or the default, and from a checkpoint's
+    piper_placement.json (a layer it leaves out: the default; no file: None, the slots hold the default)."""
+    from piper_core.errors import SpecError
+    from piper_core.runtime.placement import ExpertPlacement, LayerPlacements
+    from piper_core.specs.model import ModelSpec
+    from piper_megatron.live import job_placements, saved_placements
+    from piper_megatron.migrate import write_placements
+
+    model = ModelSpec(name="m", num_layers=3, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                      num_experts=4, moe_ffn_hidden_size=128, moe_router_topk=2, vocab_size=128, seq_length=32,
+                      moe_first_k_dense=1)
+    default, swapped = ExpertPlacement.default(4, 2), ExpertPlacement(num_experts=4, ep=2, ranks=((0, 2), (1, 3)))
+    assert job_placements(model, 2, None) == {2: default, 3: default}
+    assert job_placements(model, 2, swapped) == {2: swapped, 3: swapped}
+    per_layer = LayerPlacements(num_experts=4, ep=2, layers={3: swapped})
+    assert job_placements(model, 2, per_layer) == {2: default, 3: swapped}
+    assert saved_placements(tmp_path, model, 2) is None
+    write_placements(tmp_path, {3: swapped})
+    assert saved_placements(tmp_path, model, 2) == {2: default, 3: swapped}
+    with pytest.raises(SpecError, match="piper_placement.json: layer 3"):
+        saved_placements(tmp_path, model, 4)

@@ -678,6 +678,51 @@ def test_piper_routing_errors_name_the_flag(tmp_path):
         parse_piper_options(BASE + ["--piper-routing", str(path)])
 
 
+# ---- --piper-migrate-every -------------------------------------------------------------------------
+
+def test_piper_migrate_every_reads_its_iterations_and_the_horizon_defaults_to_them():
+    options = parse_piper_options(PIPER + BASE + ["--piper-migrate-every", "50"])
+    assert (options.migrate_every, options.migrate_horizon) == (50, 50)
+    options = parse_piper_options(PIPER + BASE + ["--piper-migrate-every=10", "--piper-migrate-horizon", "400"])
+    assert (options.migrate_every, options.migrate_horizon) == (10, 400)
+    assert parse_piper_options(PIPER + BASE).migrate_every is None
+    job = planned(PIPER + BASE + ["--piper-migrate-every", "10"])  # plans as without the flag
+    assert job.top.plan == planned(PIPER + BASE).top.plan
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--piper-migrate-every", "0"], r"--piper-migrate-every='0': must be a whole number of iterations >= 1 "
+                                     r"\(decides every that many iterations\); write e.g. --piper-migrate-every 100"),
+    (["--piper-migrate-every", "2.5"], r"--piper-migrate-every='2.5': must be a whole number of iterations >= 1"),
+    (["--piper-migrate-every", "often"], r"--piper-migrate-every='often': must be a whole number"),
+    (["--piper-migrate-every", "5", "--piper-migrate-horizon", "-3"],
+     r"--piper-migrate-horizon='-3': must be a whole number of iterations >= 1 \(counts the gain over that many "
+     r"iterations\); write e.g. --piper-migrate-horizon 100"),
+    (["--piper-migrate-horizon", "100"], r"--piper-migrate-horizon=100: counts a migration's gain over that many "
+                                         r"iterations, and no migration is decided without --piper-migrate-every; "
+                                         r"add --piper-migrate-every N, or drop --piper-migrate-horizon"),
+])
+def test_bad_piper_migrate_values_are_refused_by_name(flags, message):
+    with pytest.raises(SpecError, match=message):
+        parse_piper_options(PIPER + BASE + flags)
+
+
+def test_piper_migrate_every_needs_piper_and_a_job_whose_experts_can_move():
+    with pytest.raises(SpecError, match=r"--piper-migrate-every='given': Piper's flags act only together with "
+                                        r"--piper .*add --piper, or drop --piper-migrate-every"):
+        parse_piper_options(BASE + ["--piper-migrate-every", "10"])
+    moe = {"--num-experts", "--moe-ffn-hidden-size", "--moe-router-topk"}
+    dense = [a for i, a in enumerate(BASE) if a not in moe and (i == 0 or BASE[i - 1] not in moe)]
+    with pytest.raises(SpecError, match=r"--piper-migrate-every=10: moves experts between expert-parallel ranks, "
+                                        r"and this model has none; drop --piper-migrate-every, or add --num-experts"):
+        planned(PIPER + dense + ["--piper-migrate-every", "10"])
+    with pytest.raises(SpecError, match=r"--piper-migrate-every=10: moves experts one module each .*--moe-grouped-gemm "
+                                        r"keeps .*; drop --moe-grouped-gemm or --piper-migrate-every"):
+        planned(PIPER + BASE + ["--piper-migrate-every", "10", "--moe-grouped-gemm"])
+    with pytest.raises(SpecError, match=r"--piper-migrate-every=10: moves the distributed optimizer's state as fp32"):
+        planned(PIPER + BASE + ["--piper-migrate-every", "10", "--use-precision-aware-optimizer"])
+
+
 # ---- the dispatcher's exchange domain --------------------------------------------------------------
 
 @pytest.mark.parametrize("cluster, local, domain", [("gb200-nvl72", "4", 64), ("dgx-h100", "8", 8), ("gb200-nvl72", "", 64)])

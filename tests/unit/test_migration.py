@@ -151,3 +151,44 @@ def test_placement_current_needs_a_plan_and_a_horizon(tmp_path, capsys):
     assert "add --parallel ... --gpus N --cluster C" in capsys.readouterr().err
     assert main(CLI + ["--horizon", "5"]) == 2
     assert "--horizon=5: prices a migration from the current placement" in capsys.readouterr().err
+
+
+# ---- choose: what piper placement --current and --piper-migrate-every decide with -----------------
+
+def _routing(counts: dict[int, tuple[float, ...]]):
+    from piper_core.specs.routing import Routing
+
+    return Routing(num_experts=len(next(iter(counts.values()))), layers=tuple(counts.items()), source="test")
+
+
+def test_choose_prices_both_candidates_and_keeps_the_larger_net_gain():
+    from piper_core.scheduler.migration import OPTIMIZER, SWAPS, choose, layer_range, move_rows
+
+    plan = ParallelPlan(gpus=16, ep=16, global_batch_size=256)
+    hot = tuple([4.0] * 4 + [1.0] * 124)  # experts 0-3, all on rank 0 by default
+    routing = _routing({n: hot for n in range(1, QWEN.num_layers + 1)})
+    current = {n: default_placement(QWEN.num_experts, 16) for n in range(1, QWEN.num_layers + 1)}
+    choice = choose(QWEN, H100, plan, routing, current, horizon=100)
+    assert [c.name for c in choice.candidates] == [SWAPS, OPTIMIZER]
+    chosen = choice.chosen
+    assert chosen.net_s == max(c.net_s for c in choice.candidates) and chosen.decision.migrate
+    assert chosen.decision.step_after_s < chosen.decision.step_before_s
+    rows = move_rows(chosen.migration, max_shown=6)
+    assert [layer_range(layers) for layers, _ in rows] == [f"1-{QWEN.num_layers}"]  # the same moves in every layer
+    leaving = {m.expert for m in chosen.migration.crossing if m.src_rank == 0}
+    assert len(leaving & {0, 1, 2, 3}) == 3  # the busiest rank at its lower bound holds one hot expert
+    # once placed, the same routing moves nothing
+    again = choose(QWEN, H100, plan, routing, {n: p for n, p in chosen.migration.target}, horizon=100)
+    assert not again.chosen.decision.migrate
+    with pytest.raises(SpecError, match="--horizon=0: must be a whole number of steps >= 1"):
+        choose(QWEN, H100, plan, routing, current, horizon=0)
+
+
+def test_layer_ranges_and_move_rows_merge_equal_layers():
+    from piper_core.scheduler.migration import layer_range, move_rows
+
+    assert (layer_range([3]), layer_range([2, 3, 4]), layer_range([2, 4, 8])) == ("3", "2-4", "2,..,8")
+    m = plan_migration({}, {1: ((0, 2), (1, 3)), 2: ((0, 2), (1, 3)), 3: ((0, 3), (1, 2))}, num_experts=4, ep=2)
+    assert move_rows(m, max_shown=6) == [([1, 2], "expert 1 rank 0->1, expert 2 rank 1->0"),
+                                         ([3], "expert 1 rank 0->1, expert 3 rank 1->0")]
+    assert move_rows(m, max_shown=1)[0] == ([1, 2, 3], "2 experts change rank")
