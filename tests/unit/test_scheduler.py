@@ -368,11 +368,13 @@ def test_fast_exact_pipeline_equals_the_1f1b_simulation():
         assert _exact_pipeline(stages, m) == makespan(simulate_1f1b(fwd, bwd, m))
 
 
-# Median here (2 shared cores): 4.2-4.7 s at load 0.4-2.7 (python -m piper_core.bench.search_speed; 16.5 s
-# before the shortcuts). About 2.2 s of it is layer_cost (8,500 distinct MoE layer shapes) and
-# stage_memory (4,300 plans that may fit), which the search cannot share further; the bound leaves
-# room for a loaded CI machine.
-SPEED_BOUND_S = 9.0
+# Median here (2 shared cores): 4.2-4.7 s at load 0.4-2.7 when the bound was set (python -m
+# piper_core.bench.search_speed; 16.5 s before the shortcuts). Since MTP and the FLOP-balanced layouts
+# (issue 16: 76,688 feasible plans, each layout priced per stage) the quiet machine takes 8.0-8.5 s
+# (2026-12-07, timed side by side at 61ff637 and 28755f6: 8.45/8.02 against 8.19/8.09 s), and a CI run
+# measured 9.62 s; the bound leaves room for a loaded CI machine, and the per-feasible-plan cost is
+# held by tests/unit/test_cli.py's DeepSeek-V3 search test.
+SPEED_BOUND_S = 12.0
 
 
 def test_deepseek_v3_on_1024_gpus_searches_within_the_bound():
