@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -10,6 +11,7 @@ import time
 import pytest
 
 from piper_core.cli.main import main
+from tests.speed import machine_factor
 
 DEEPSEEK = ["predict", "deepseek-v3", "--cluster", "dgx-h100", "--gpus", "1024", "--parallel",
             "tp=1,pp=16,last_stage_layers=1,ep=64,etp=1,mbs=1,gbs=4096,recompute=selective"]
@@ -66,10 +68,13 @@ def test_bad_input_exits_2_with_message(capsys, argv, message):
 
 
 def test_deepseek_predict_answers_under_one_second_and_without_torch():
+    """Under a second of wall time on the reference machine (interpreter start included), scaled by
+    how much slower this machine runs Python (:mod:`tests.speed`)."""
     code = ("import sys, time; t = time.perf_counter(); from piper_core.cli.main import main; "
             f"rc = main({DEEPSEEK + ['--json']!r}); "
             "assert 'torch' not in sys.modules, 'planning imported torch'; "
             "print('ELAPSED', time.perf_counter() - t, file=sys.stderr); sys.exit(rc)")
+    bound = 1.0 * machine_factor()
     walls = []
     for _ in range(3):  # the best of up to 3: other jobs on a shared machine only ever add time
         start = time.perf_counter()
@@ -77,33 +82,37 @@ def test_deepseek_predict_answers_under_one_second_and_without_torch():
         walls.append(time.perf_counter() - start)
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout)["model"] == "deepseek-v3"
-        if walls[-1] < 1.0:
+        if walls[-1] < bound:
             break
-    assert min(walls) < 1.0, f"piper predict deepseek-v3 took {walls} s wall (interpreter start included)"
+    assert min(walls) < bound, f"piper predict deepseek-v3 took {walls} s wall (interpreter start included; " \
+        f"bound {bound:.2f} s)"
+
+
+# Issue 14: ``piper plan deepseek-v3 --cluster dgx-h100 --gpus 1024`` searches the whole default space
+# quickly. Timed as the command reports it (``search.elapsed_s``), with its default workers (one per
+# CPU: 2 here). History: 1.58-1.85 s on 2026-12-05 (AMD EPYC), 1.36-1.43 s after pricing each chunk
+# structure once; Megatron's pipeline layouts (issue 16) made vpp > 1 searchable for 61 layers and took
+# it to 3.50-3.59 s at the same cost per feasible plan (45-47 us). That bound (5 s and 65 us) failed CI
+# at 6.5-7.6 s on a slower copy of the machine with no change in the code, so the bounds are now set on
+# one machine and scaled by how much slower the machine running the test is (tests/speed.py). On the
+# reference machine (Intel Xeon, 2 cores, 2026-12-07, quiet): 4.58 and 4.68 s for 76,703 feasible
+# plans, 60-61 us each. Bounds: 1.5x those, on each.
+PLAN_BOUND_S, PLAN_BOUND_US = 7.0, 91.0
 
 
 def test_deepseek_plan_searches_the_whole_space_within_the_bound():
-    """Issue 14: ``piper plan deepseek-v3 --cluster dgx-h100 --gpus 1024`` searches the whole default
-    space (772,848 plans) quickly: the search's own time as the command reports it
-    (``search.elapsed_s``), with the command's default workers (one per CPU: 2 here). On 2026-12-05
-    (AMD EPYC without bf16 instructions, slower per core than the 2026-12-04 machine) that was
-    1.58-1.85 s; one worker (``--workers 1``) took 2.6-3.0 s there. Pricing the stage workspace
-    (f83c0aa) took it to 1.8-2.3 s on 2026-12-06 and failed CI at 2.08 s; pricing each distinct chunk
-    structure once per plan (``memory._chunk_activations``) brought it to 1.36-1.43 s the same day.
-    On 2026-12-07 Megatron's pipeline layouts (issue 16) made the plans with vpp > 1 that 61 layers
-    could not split evenly searchable: 30,354 -> 78,486 feasible plans, 1.44 s -> 3.50-3.59 s on a
-    quiet machine, the same time per feasible plan (47 and 45 us). So the bound is on both: the whole
-    search within 5 s, and at most 65 us per feasible plan (the old 2 s bound's margin over 1.44 s,
-    1.39x, on each). The best of up to 3 runs: other jobs on a shared machine only ever add time."""
+    factor = machine_factor(processes=min(2, os.cpu_count() or 1))
+    bound_s, bound_us = PLAN_BOUND_S * factor, PLAN_BOUND_US * factor
     searches = []
-    for _ in range(3):
+    for _ in range(3):  # the best of up to 3: other jobs on a shared machine only ever add time
         proc = subprocess.run([sys.executable, "-m", "piper_core.cli.main", "plan", "deepseek-v3", "--cluster",
                                "dgx-h100", "--gpus", "1024", "--json"], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         out = json.loads(proc.stdout)
         assert out["candidates"] > 700_000 and out["feasible"] > 70_000
         searches.append((out["search"]["elapsed_s"], out["search"]["elapsed_s"] / out["feasible"] * 1e6))
-        if searches[-1][0] <= 5.0 and searches[-1][1] <= 65.0:
+        if searches[-1][0] <= bound_s and searches[-1][1] <= bound_us:
             break
-    assert any(elapsed <= 5.0 and us <= 65.0 for elapsed, us in searches), \
-        f"piper plan deepseek-v3 --gpus 1024 searched for (s, us per feasible plan) {searches}"
+    assert any(elapsed <= bound_s and us <= bound_us for elapsed, us in searches), \
+        f"piper plan deepseek-v3 --gpus 1024 searched for (s, us per feasible plan) {searches}; bounds " \
+        f"{bound_s:.1f} s and {bound_us:.0f} us (machine factor {factor:.2f})"

@@ -13,6 +13,7 @@ from piper_core.resource.predict import predict
 from piper_core.scheduler.search import search
 from piper_core.scheduler.space import SearchSpace
 from piper_core.specs import ParallelPlan, check_plan
+from tests.speed import machine_factor
 from piper_core.timing.step import step_time
 
 MIXTRAL = load_model("mixtral-8x7b")
@@ -368,21 +369,23 @@ def test_fast_exact_pipeline_equals_the_1f1b_simulation():
         assert _exact_pipeline(stages, m) == makespan(simulate_1f1b(fwd, bwd, m))
 
 
-# Median here (2 shared cores): 4.2-4.7 s at load 0.4-2.7 when the bound was set (python -m
-# piper_core.bench.search_speed; 16.5 s before the shortcuts). Since MTP and the FLOP-balanced layouts
-# (issue 16: 76,688 feasible plans, each layout priced per stage) the quiet machine takes 8.0-8.5 s
-# (2026-12-07, timed side by side at 61ff637 and 28755f6: 8.45/8.02 against 8.19/8.09 s), and a CI run
-# measured 9.62 s; the bound leaves room for a loaded CI machine, and the per-feasible-plan cost is
-# held by tests/unit/test_cli.py's DeepSeek-V3 search test.
-SPEED_BOUND_S = 12.0
+# The whole DeepSeek-V3 space in one process. History: 4.2-4.7 s when the bound was set (16.5 s before
+# the search's shortcuts); MTP and FLOP-balanced layouts (issue 16: 76,688 feasible plans, each layout
+# priced per stage) took it to 8.0-8.5 s on an AMD EPYC copy of the machine, and a fixed 12 s bound then
+# passed or failed with the copy CI ran on. So the bound is set on one machine and scaled by how much
+# slower the machine running the test is (tests/speed.py). On the reference machine (Intel Xeon, 2
+# cores, 2026-12-07, quiet): 7.24 and 7.32 s; bound 1.5x. The per-feasible-plan cost is held by
+# tests/unit/test_cli.py's DeepSeek-V3 search test.
+SPEED_BOUND_S = 11.0
 
 
 def test_deepseek_v3_on_1024_gpus_searches_within_the_bound():
     cluster = load_cluster("dgx-h100")
+    bound = SPEED_BOUND_S * machine_factor()
     result = search(DEEPSEEK, cluster, 1024, 4096)
     assert result.candidates > 600_000 and result.feasible > 10_000
     assert result.candidates == result.feasible + sum(result.rejected.values())
-    assert result.elapsed_s <= SPEED_BOUND_S, f"{result.elapsed_s:.2f} s for {result.candidates:,} plans"
+    assert result.elapsed_s <= bound, f"{result.elapsed_s:.2f} s for {result.candidates:,} plans (bound {bound:.1f} s)"
 
 
 # --- the search in forked processes (piper plan --workers) ----------------------------------------------
