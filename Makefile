@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=10
 # disturb their timings
 REALTIME := $(if $(filter 0,$(shell id -u)),--realtime,)
 
-.PHONY: install run calibrate validate validate-fp32 validate-fp32-repeat validate-scheduler test test-unit test-browser browser test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e bench-placement clean
+.PHONY: install run calibrate validate validate-fp32 validate-fp32-repeat validate-scheduler test test-unit test-browser browser test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e bench-placement bench-migrate-cost clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -114,6 +114,20 @@ endif
 PLACEMENT_ARGS ?= --ranks 2,4 --emulate 2x2 --rounds 5 --json docs/placement-bench/results.json
 bench-placement: install
 	$(PY) -m piper_core.bench.placement $(PLACEMENT_ARGS) $(REALTIME)
+
+# The measured cost of a move of experts against the model's (issue 17: within 30 %; docs/migration.md):
+# a fresh fp32 calibration of 2 local ranks (the judged profile; its cache removed first so that
+# nothing is reused), then 1, 2 and 4 experts swapped each way 5 times on the same ranks. Exits 1 when
+# any k's prediction is more than 30 % off. ~1 min on 2 cores; run it on a quiet machine. RUN names
+# the run (its profile and record: docs/migration/profiles/local-2-fp32-<RUN>.yaml, move-cost-<RUN>.json).
+MIGRATE_DIR := docs/migration
+RUN ?= 1
+bench-migrate-cost: install
+	rm -rf $(MIGRATE_DIR)/profiles/local-2-fp32-$(RUN).cache
+	$(PY) -m piper_core.cli.main calibrate --out $(MIGRATE_DIR)/profiles/local-2-fp32-$(RUN).yaml --ranks 2 \
+	  --base cpu-local --quick --precision fp32 $(REALTIME)
+	$(PY) -m piper_megatron.migrate_cost --ranks 2 --experts 1,2,4 --repeats 5 $(REALTIME) \
+	  --profile $(MIGRATE_DIR)/profiles/local-2-fp32-$(RUN).yaml --out $(MIGRATE_DIR)/move-cost-$(RUN).json --check 30
 
 # Every tier runs on its own so that a tier collecting no test fails the run (pytest exit 5).
 test: install test-unit test-browser test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed

@@ -28,6 +28,13 @@ state objects stay the same, so DDP's buckets and the optimizer's references sta
 each MoE layer's :class:`~piper_megatron.dispatcher.PiperTokenDispatcher` routes by the new
 placement (:meth:`~piper_megatron.dispatcher.PiperTokenDispatcher.set_placement`).
 
+The send and receive buffers are kept between migrations, one per peer and direction, grown to the
+largest move so far (:func:`release_buffers` frees them): torch's CPU allocator hands blocks this
+large back to the operating system when they are freed, so fresh ones page-fault as they are
+written, which made a move of 32 MiB per rank take about twice as long (docs/migration.md, "Measured
+cost of a move"); CUDA's caching allocator keeps freed blocks in the same way. They hold, between
+migrations, the bytes of the largest move's sends and receives.
+
 Checkpoints hold physical slots under Megatron's expert names: :func:`write_placements` keeps the
 placement of every layer beside them (``piper_placement.json``, the format of ``piper placement
 --out``) and :func:`apply_placements` sets it on a freshly built model before its state is loaded.
@@ -262,10 +269,31 @@ def _tensors(expert: Any, resolve: Resolver | None) -> list[torch.Tensor]:
     return out
 
 
+_KEPT: dict[tuple[str, int], torch.Tensor] = {}
+"""The exchange's byte buffers, kept between migrations: (direction, peer's global rank) -> buffer."""
+
+
+def _kept_buffer(direction: str, peer: int, nbytes: int) -> torch.Tensor:
+    """``nbytes`` of the buffer kept for ``direction`` ("send", "receive") with global rank ``peer``,
+    grown (reallocated) when a move needs more (module docstring)."""
+    kept = _KEPT.get((direction, peer))
+    if kept is None or kept.numel() < nbytes:
+        kept = _KEPT[(direction, peer)] = torch.empty(nbytes, dtype=torch.uint8)
+    return kept[:nbytes]
+
+
+def release_buffers() -> int:
+    """Free the exchange buffers kept between migrations; the bytes they held."""
+    held = sum(b.numel() for b in _KEPT.values())
+    _KEPT.clear()
+    return held
+
+
 @torch.no_grad()
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One byte buffer holding ``tensors`` back to back (typed copies: a uint8 ``cat`` runs byte-wise)."""
-    buffer = torch.empty(_nbytes(tensors), dtype=torch.uint8)
+def _pack(tensors: list[torch.Tensor], buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """One byte buffer holding ``tensors`` back to back (typed copies: a uint8 ``cat`` runs byte-wise),
+    in ``buffer`` (its first bytes) when given, else in a new one."""
+    buffer = torch.empty(_nbytes(tensors), dtype=torch.uint8) if buffer is None else buffer[:_nbytes(tensors)]
     offset = 0
     for t in tensors:
         n = t.numel() * t.element_size()
@@ -360,8 +388,8 @@ def _exchange(plan: MigrationPlan, layers: dict[int, Any], resolve: Resolver | N
             outgoing.setdefault(m.dst_rank, []).extend(tensors(m.layer, m.src_local))
         elif m.dst_rank == me:
             incoming.setdefault(m.src_rank, []).append(tensors(m.layer, m.dst_local))
-    buffers = {peer: _pack(parts) for peer, parts in outgoing.items()}
-    inbox = {peer: torch.empty(sum(_nbytes(ts) for ts in parts), dtype=torch.uint8)
+    buffers = {peer: _pack(parts, _kept_buffer("send", ranks[peer], _nbytes(parts))) for peer, parts in outgoing.items()}
+    inbox = {peer: _kept_buffer("receive", ranks[peer], sum(_nbytes(ts) for ts in parts))
              for peer, parts in incoming.items()}
     t1 = time.perf_counter()
     works = []

@@ -22,6 +22,7 @@ import json
 import statistics
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from piper_core.specs.model import ModelSpec
@@ -114,8 +115,9 @@ def rank_main(info: Any, job: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure(*, ranks: int, experts: list[int], hidden: int, ffn: int, num_experts: int, precision: str,
-            repeats: int, cluster: Any, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Measured and predicted seconds per ``k`` (module docstring)."""
+            repeats: int, cluster: Any, timeout_s: float = 600.0, realtime: bool = False) -> dict[str, Any]:
+    """Measured and predicted seconds per ``k`` (module docstring); ``realtime``: SCHED_FIFO ranks, as
+    the project's other measured runs take them as root."""
     from piper_core.emulate import run_local
     from piper_core.errors import SpecError
     from piper_core.scheduler.migration import expert_state_bytes, move_time, plan_migration
@@ -127,7 +129,7 @@ def measure(*, ranks: int, experts: list[int], hidden: int, ffn: int, num_expert
                         f"choose k <= {per}, or more --num-experts")
     job = {"experts": experts, "hidden": hidden, "ffn": ffn, "num_experts": num_experts, "precision": precision,
            "repeats": repeats}
-    reports = run_local(ranks, "piper_megatron.migrate_cost:rank_main", [job], timeout_s=timeout_s)
+    reports = run_local(ranks, "piper_megatron.migrate_cost:rank_main", [job], timeout_s=timeout_s, realtime=realtime)
     rows = []
     for i, k in enumerate(experts):
         move = plan_migration({}, {1: swap_placement(num_experts, ranks, k)}, num_experts=num_experts, ep=ranks)
@@ -140,14 +142,35 @@ def measure(*, ranks: int, experts: list[int], hidden: int, ffn: int, num_expert
                      "measured_all_s": per_move, "predicted_s": predicted.seconds,
                      "error": predicted.seconds / measured - 1 if measured > 0 else None,
                      "phases_s": {name: statistics.median(ph[name] for r in reports for ph in r["rows"][i]["phases"])
-                                  for name in ("pack", "exchange", "unpack")}})
+                                  for name in ("pack", "exchange", "unpack")},
+                     # the first move of each k grows the kept buffers (migrate.py): not in the median
+                     "first_phases_s": {name: max(r["rows"][i]["phases"][0][name] for r in reports)
+                                        for name in ("pack", "exchange", "unpack")}})
     return {"model": model.name, "ranks": ranks, "precision": precision, "cluster": cluster.name,
             "piper_core": reports[0]["piper_core"], "rows": rows}
+
+
+def report_table(paths: Sequence[Path]) -> str:
+    """A Markdown table of recorded runs (``--out`` files): one row per run and ``k``, every row counted."""
+    lines = ["| run | profile (sha256) | k | MiB sent/rank | measured s (median) | first move s | predicted s | error |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    worst = 0.0
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        profile = run.get("source", {}).get("profile") or {"path": run["cluster"], "sha256": "-"}
+        for r in run["rows"]:
+            worst = max(worst, abs(r["error"]))
+            lines.append(f"| {Path(path).name} | {Path(profile['path']).name} ({profile['sha256'][:8]}) | {r['k']} | "
+                         f"{r['sent_bytes'] / 2**20:.0f} | {r['measured_s']:.4f} | {r['measured_all_s'][0]:.4f} | "
+                         f"{r['predicted_s']:.4f} | {100 * r['error']:+.1f} % |")
+    lines.append(f"\nWorst |error| over every row: {100 * worst:.1f} %.")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from piper_core.errors import SpecError
     from piper_core.presets import load_cluster
+    from piper_core.validate.report import commit_state, profile_record
 
     p = argparse.ArgumentParser(prog="python -m piper_megatron.migrate_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2)
@@ -159,19 +182,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--cluster", default="cpu-local", help="cluster preset or YAML for the prediction")
     p.add_argument("--profile", help="a calibrated profile (piper calibrate) instead of --cluster")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--realtime", action="store_true", help="run the ranks under SCHED_FIFO (root), as piper "
+                   "calibrate --realtime does, so other work on the machine does not disturb the timings")
+    p.add_argument("--json", action="store_true", help="print the record as JSON instead of the table")
+    p.add_argument("--out", type=Path, help="also write the record (JSON) here")
+    p.add_argument("--check", type=float, metavar="PCT",
+                   help="exit 1 unless every k's predicted time is within PCT %% of the measured one")
+    p.add_argument("--report", type=Path, nargs="+", metavar="RUN.json",
+                   help="print recorded runs (--out files) as a Markdown table; measures nothing")
     a = p.parse_args(argv)
+    if a.report:
+        missing = [str(x) for x in a.report if not x.is_file()]
+        if missing:
+            print(f"migrate_cost: error: --report {' '.join(missing)}: no such file; give the JSON files "
+                  "`--out` wrote (docs/migration/move-cost-*.json)", file=sys.stderr)
+            return 2
+        print(report_table(a.report))
+        return 0
     try:
         experts = [int(x) for x in a.experts.split(",")]
+        if a.check is not None and a.check <= 0:
+            raise SpecError("--check", a.check, "must be a percentage > 0", "e.g. --check 30")
         cluster = load_cluster(a.profile or a.cluster)
+        if a.realtime:
+            from piper_core.emulate.launch import check_realtime
+            check_realtime()
+        # what the prediction came from and the code that measured, taken before the run
+        source = {"commit": commit_state(), "profile": profile_record(Path(a.profile)) if a.profile else None,
+                  "command": "python -m piper_megatron.migrate_cost " + " ".join(sys.argv[1:] if argv is None else argv)}
         out = measure(ranks=a.ranks, experts=experts, hidden=a.hidden, ffn=a.ffn, num_experts=a.num_experts,
-                      precision=a.precision, repeats=a.repeats, cluster=cluster)
+                      precision=a.precision, repeats=a.repeats, cluster=cluster, realtime=a.realtime)
     except (SpecError, ValueError) as exc:
         print(f"migrate_cost: error: {exc}", file=sys.stderr)
         return 2
+    out = {"source": source, **out}
+    if a.check is not None:
+        worst = max(abs(r["error"]) if r["error"] is not None else float("inf") for r in out["rows"])
+        out["check"] = {"limit_pct": a.check, "worst_abs_error_pct": round(100 * worst, 2), "met": 100 * worst <= a.check}
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(out, indent=1) + "\n")
     if a.json:
         print(json.dumps(out, indent=1))
-        return 0
+        return 0 if out.get("check", {}).get("met", True) else 1
     print(f"expert migration on {out['ranks']} CPU ranks, {out['model']} ({out['precision']}), predicted on "
           f"{out['cluster']}; piper_core from {out['piper_core']}")
     print(f"{'k':>3} {'MiB/expert':>11} {'MiB sent/rank':>14} {'measured s':>11} {'predicted s':>12} {'error':>8}"
@@ -181,6 +234,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{r['k']:>3} {r['bytes_per_expert'] / 2**20:>11.3f} {r['sent_bytes'] / 2**20:>14.3f} "
               f"{r['measured_s']:>11.4f} {r['predicted_s']:>12.4f} {error:>8}   "
               + " / ".join(f"{r['phases_s'][n]:.4f}" for n in ("pack", "exchange", "unpack")))
+    if "check" in out:
+        c = out["check"]
+        print(f"check: worst |error| {c['worst_abs_error_pct']:.1f}% against the {c['limit_pct']:g}% limit: "
+              + ("met" if c["met"] else "NOT met"))
+        return 0 if c["met"] else 1
     return 0
 
 

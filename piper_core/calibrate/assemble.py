@@ -12,7 +12,8 @@ repetitions; GEMM and copy points are the median over ranks of each rank's media
   ``kernel_latency_us`` = the fitted latency;
   ``hbm_gb_per_s`` = the measured copy bandwidth (read + write), ``hbm_efficiency`` = the GEMM fit's
   memory rate / it (both raised to the memory rate, efficiency 1, if the GEMMs stream faster than
-  the copy, as cache-resident weights do);
+  the copy, as cache-resident weights do); ``copy_gb_per_s`` = the measured copy bandwidth, kept
+  (what a copy of cold state gets);
 * ``links``: one level (the node) for local ranks, two for an emulated cluster; each level's
   latency and bandwidth from the flat all-to-all curves that cross it (:func:`fit_links`);
 * everything else (HBM size, memory envelope, host terms) from the base preset.
@@ -65,7 +66,7 @@ def reduce_outcomes(outcomes: Sequence[Outcome]) -> dict[str, Any]:
                 out["memory"]["elementwise_gb_per_s"] = {
                     name: _sig(statistics.median(op["bytes"] / op["seconds"] / 1e9 for op in ops if op["op"] == name))
                     for name in names}
-        elif kind in ("alltoall", "allreduce", "allgather", "reducescatter", "p2p"):
+        elif kind in ("alltoall", "allreduce", "allgather", "reducescatter", "p2p", "exchange"):
             out[o.name] = _curve_medians(o.results, half=kind == "p2p")
         else:
             out[o.name] = {"ranks": list(o.results)}  # e.g. the host-overhead probe: kept as returned
@@ -223,6 +224,28 @@ def check_collectives(benchmarks: dict[str, Any], cluster: ClusterSpec) -> dict[
     return out
 
 
+def fit_bulk(benchmarks: dict[str, Any], cluster: ClusterSpec) -> tuple[ClusterSpec, dict[str, Any]]:
+    """The innermost level's ``bulk_gb_per_s`` from the bulk exchange (``exchange-intra``): the
+    per-direction rate that, after the level's fitted latency, explains the measured exchanges
+    (:func:`fit_alpha_beta` with that latency; each point is one message each way)."""
+    b = benchmarks.get("exchange-intra")
+    level = cluster.links[0]
+    if not (isinstance(b, dict) and len(b.get("points", ())) >= 1):
+        return cluster, {"bulk_gb_per_s": level.bulk_gb_per_s,
+                         "source": "not measured (no bulk exchange benchmark); the level's bandwidth prices bulk moves"}
+    samples = [LinkSample(peers=1, nbytes=p["bytes"], seconds=p["seconds"]) for p in b["points"]]
+    if len(samples) == 1:  # one size (the rest over the time limit): the rate after the latency
+        p = samples[0]
+        rate = p.nbytes / max(p.seconds - level.latency_us * 1e-6, 1e-9) / 1e9
+    else:
+        rate = fit_alpha_beta(samples, latency_s=level.latency_us * 1e-6).bandwidth_gb_per_s
+    links = (dataclasses.replace(level, bulk_gb_per_s=_sig(rate)),) + cluster.links[1:]
+    fitted = dataclasses.replace(cluster, links=links)
+    report = _curve_report(b["points"], lambda n: links[0].latency_us * 1e-6 + n / (links[0].bulk_rate_gb_per_s * 1e9))
+    return fitted, {"level": level.name, "bulk_gb_per_s": _sig(rate), "all_to_all_gb_per_s": level.bandwidth_gb_per_s,
+                    "source": "fitted to the bulk two-way exchange, latency the level's", **report}
+
+
 BANDWIDTH_DOMINATES = 4.0
 """A reduce-scatter point informs ``reduce_scatter_factor`` where the ring's bandwidth term is at
 least this many times its latency term (below, the per-message cost decides and says nothing about
@@ -286,6 +309,8 @@ def fit_accelerator(benchmarks: dict[str, Any], base: AcceleratorSpec,
     bf16_peak = fields.get("peak_tflops_bf16", base.peak_tflops_bf16)
     fields["gemm_half_size"] = _sig(g.half_size * bf16_peak / fields[f"peak_tflops_{precision}"])
     mem_gb = g.memory_bytes_per_s / 1e9
+    if copy:
+        fields["copy_gb_per_s"] = copy["gb_per_s"]
     if mem_gb <= 0:
         fields.update(hbm_gb_per_s=hbm, hbm_efficiency=1.0)
     elif mem_gb > hbm:

@@ -236,7 +236,9 @@ def reducescatter(info: RankInfo, s: dict[str, Any]) -> dict[str, Any]:
 def p2p(info: RankInfo, s: dict[str, Any]) -> dict[str, Any]:
     """Ping-pong of ``bytes`` between pairs of ranks (all pairs at once); a repetition is one round
     trip, so a message takes half of it. ``scope`` intra pairs local ranks (2i, 2i+1) of each node,
-    inter pairs the same local rank of nodes (2j, 2j+1)."""
+    inter pairs the same local rank of nodes (2j, 2j+1). ``mode`` "exchange": both ranks of a pair
+    send ``bytes`` to each other at once instead (one receive and one send posted together, into
+    buffers reused across repetitions), the shape of a move of experts; a repetition is one exchange."""
     rpn, rank = info.ranks_per_node, info.rank
     if s["scope"] == "intra":
         peer = rank + 1 if info.local_rank % 2 == 0 else rank - 1
@@ -253,7 +255,8 @@ def p2p(info: RankInfo, s: dict[str, Any]) -> dict[str, Any]:
 
     def once_for(nbytes: int) -> Callable[[], None]:
         buf = torch.zeros(nbytes, dtype=torch.uint8)
-        what = timeouts.OpName(op=f"calibrate point-to-point {nbytes} B", stage="ping-pong", ranks=pair, rank=rank)
+        what = timeouts.OpName(op=f"calibrate point-to-point {nbytes} B", stage=s.get("mode", "ping-pong"),
+                               ranks=pair, rank=rank)
         limit = timedelta(seconds=s["timeout_s"])
 
         def send() -> None:
@@ -264,7 +267,17 @@ def p2p(info: RankInfo, s: dict[str, Any]) -> dict[str, Any]:
 
         if peer is None:
             return lambda: None
+        if s.get("mode") == "exchange":
+            inbox = torch.zeros(nbytes, dtype=torch.uint8)
+
+            def both() -> None:
+                works = [timeouts.launch(what, lambda: dist.irecv(inbox, peer, group=group)),
+                         timeouts.launch(what, lambda: dist.isend(buf, peer, group=group))]
+                for work in works:
+                    timeouts.wait(work, what, limit)
+            return both
         return (lambda: (send(), recv())) if first else (lambda: (recv(), send()))
 
-    points = _sweep(once_for, group, ranks, f"point-to-point ({s['scope']})", s)
+    kind = "exchange" if s.get("mode") == "exchange" else "point-to-point"
+    points = _sweep(once_for, group, ranks, f"{kind} ({s['scope']})", s)
     return {"group_size": 2, "stride": stride, "paired": peer is not None, "points": points}

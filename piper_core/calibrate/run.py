@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from piper_core.calibrate.assemble import check_collectives, fit_accelerator, fit_links, fit_reduce_scatter, \
+from piper_core.calibrate.assemble import check_collectives, fit_accelerator, fit_bulk, fit_links, fit_reduce_scatter, \
     reduce_outcomes
 from piper_core.calibrate.profile import write_profile
 from piper_core.calibrate.probe import FIELDS as OVERHEAD_FIELDS
@@ -121,6 +121,7 @@ def fit_medians(medians: dict[str, Any], topo: Topology, base: ClusterSpec, name
     cluster, links = fit_links(medians, topo, dataclasses.replace(base, accelerator=acc))
     fits["links"] = links
     cluster, fits["reduce_scatter"] = fit_reduce_scatter(medians, cluster)
+    cluster, fits["bulk"] = fit_bulk(medians, cluster)
     fits["checks"] = check_collectives(medians, cluster)
     cluster = dataclasses.replace(cluster, name=name)
     cluster, fits["overheads"] = _overheads(cluster, medians.get("overheads"), probe_missing, failures)

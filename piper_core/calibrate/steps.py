@@ -147,6 +147,11 @@ def plan_steps(topology: Topology, *, quick: bool, timeout_s: float, overhead_pr
                   for name in ("allreduce", "allgather", "reducescatter")]
         p2p_scopes = (["intra"] if topology.ranks_per_node > 1 else []) + (["inter"] if topology.nodes > 1 else [])
         steps += [Step(name=f"p2p-{sc}", target=BENCH_TARGET, args=("p2p", check | {"scope": sc})) for sc in p2p_scopes]
+        if topology.ranks_per_node > 1:
+            # bulk two-way exchanges inside a node (a move of experts): the links' ``bulk_gb_per_s``
+            bulk = coll | {"sizes": _sizes(23, 25, 2) if quick else _sizes(23, 27, 2), "scope": "intra",
+                           "mode": "exchange", "stop_s": 2.0, "budget_s": 0.5 if quick else 2.0}
+            steps.append(Step(name="exchange-intra", target=BENCH_TARGET, args=("p2p", bulk)))
     if overhead_probe:
         settings = {"quick": quick} | ({"framework": framework} if framework != "megatron" else {}) | \
             ({"precision": precision} if precision != "bf16" else {}) | ({"rounds": probe_rounds} if probe_rounds > 1 else {})

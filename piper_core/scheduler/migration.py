@@ -17,7 +17,9 @@ a placement changes, what a move costs, and whether it pays for itself.
   expert_groups`, taking the first expert-parallel group). Each rank sends one message to each peer
   it gives experts to and receives one from each it takes from; a rank's levels and its two directions
   run concurrently (bandwidth per direction), so a rank takes the largest, over its levels and
-  directions, of ``messages x latency + bytes / bandwidth``, plus packing what it sends and unpacking
+  directions, of ``messages x latency + bytes / rate``, with the level's bulk rate
+  (:attr:`piper_core.specs.cluster.LinkLevel.bulk_rate_gb_per_s`: measured by ``piper calibrate``'s
+  bulk two-way exchange where there is one, else the level's bandwidth), plus packing what it sends and unpacking
   what it receives (:func:`copy_time`); the move takes its slowest rank, per
   pipeline stage, and the slowest stage (stages and expert-data-parallel replicas move at once).
 * **Candidates**: the optimizer's placement (built from scratch: it may move almost every expert) and
@@ -222,7 +224,7 @@ def _rank_time(rank: int, pairs: dict[tuple[int, int], int], etp: int, cluster: 
 
     def direction(name: str, messages: int, nbytes: int) -> float:
         link = links[name]
-        return messages * link.latency_us * US + nbytes / (link.bandwidth_gb_per_s * 1e9)
+        return messages * link.latency_us * US + nbytes / (link.bulk_rate_gb_per_s * 1e9)
 
     t = max((max(direction(name, ms, s), direction(name, mr, r)) for name, (ms, s, mr, r) in per_level.items()),
             default=0.0)
@@ -243,10 +245,10 @@ def unshard_time(experts: int, per: ExpertBytes, plan: ParallelPlan, cluster: Cl
 
 def copy_time(nbytes: float, cluster: ClusterSpec) -> float:
     """Packing what a rank sends into one buffer and unpacking what it receives: one read and one write
-    of each byte in device memory (as :func:`piper_core.timing.comm.hierarchical_stages` prices its
-    regrouping copy), before and after the exchange."""
-    acc = cluster.accelerator
-    return 2 * nbytes / (acc.hbm_gb_per_s * 1e9 * acc.hbm_efficiency)
+    of each byte in device memory, before and after the exchange, at the accelerator's copy rate
+    (:attr:`~piper_core.specs.cluster.AcceleratorSpec.copy_rate_gb_per_s`: the state moved is cold,
+    unlike the activations :func:`piper_core.timing.comm.hierarchical_stages` regroups at HBM's rate)."""
+    return 2 * nbytes / (cluster.accelerator.copy_rate_gb_per_s * 1e9)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

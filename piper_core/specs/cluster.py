@@ -40,6 +40,12 @@ class AcceleratorSpec:
     ``elementwise_gb_per_s`` (bytes read + written per second) when it is set -- ``piper calibrate``
     measures it where such kernels run well below the copy rate (bf16 on CPU: 3-9 GB/s against a
     37 GB/s copy) -- and at ``hbm_gb_per_s x hbm_efficiency`` otherwise (the GPU presets).
+    ``copy_gb_per_s`` (bytes read + written per second) prices copies of large buffers of state that
+    no kernel touched just before (packing and unpacking a move of experts): the calibration's copy
+    benchmark where it ran; None: ``hbm_gb_per_s x hbm_efficiency``. Calibration raises ``hbm_gb_per_s``
+    to the GEMMs' streaming rate where that beats the copy (cache-resident weights), which such a copy
+    does not get: 19.8 GB/s against 13.8 GB/s measured for the copy on 2 CPU ranks (2026-12-07,
+    docs/migration/profiles/local-2-fp32.yaml).
 
     Host overheads (microseconds of framework time no kernel term covers: Python dispatch, module
     hooks, the token dispatcher's bookkeeping; 0 in the GPU presets, where the host runs ahead of the
@@ -92,6 +98,7 @@ class AcceleratorSpec:
     hbm_efficiency: float = 0.8
     kernel_latency_us: float = 4.0
     elementwise_gb_per_s: float | None = None
+    copy_gb_per_s: float | None = None
     layer_overhead_us: float = 0.0
     moe_overhead_us: float = 0.0
     expert_overhead_us: float = 0.0
@@ -110,6 +117,7 @@ class AcceleratorSpec:
         for key in ("peak_tflops_bf16", "peak_tflops_fp16", "peak_tflops_fp32", "hbm_gib", "hbm_gb_per_s"):
             positive(f"accelerator.{key}", getattr(self, key))
         positive("accelerator.elementwise_gb_per_s", self.elementwise_gb_per_s, allow_none=True)
+        positive("accelerator.copy_gb_per_s", self.copy_gb_per_s, allow_none=True)
         positive("accelerator.peak_tflops_fp8", self.peak_tflops_fp8, allow_none=True)
         fraction("accelerator.core_share", self.core_share)
         fraction("accelerator.gemm_efficiency", self.gemm_efficiency)
@@ -119,6 +127,11 @@ class AcceleratorSpec:
                             "halves)", "set it to 0 for a flat efficiency, or to a size such as 500 (H100, bf16)")
         fraction("accelerator.hbm_efficiency", self.hbm_efficiency)
         non_negative("accelerator.kernel_latency_us", self.kernel_latency_us)
+
+    @property
+    def copy_rate_gb_per_s(self) -> float:
+        """Bytes read + written per second by a copy of large cold buffers (``copy_gb_per_s``, else HBM's)."""
+        return self.copy_gb_per_s if self.copy_gb_per_s is not None else self.hbm_gb_per_s * self.hbm_efficiency
 
     def peak_flops(self, precision: Precision) -> float:
         """Dense peak in FLOP/s for ``precision`` (MFU is measured against the plan's precision's,
@@ -135,17 +148,30 @@ class AcceleratorSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkLevel:
-    """One level of the network. ``domain_gpus`` None means the level spans the whole system."""
+    """One level of the network. ``domain_gpus`` None means the level spans the whole system.
+
+    ``bulk_gb_per_s``: the rate per direction of a bulk two-way exchange between two ranks across the
+    level (both send and receive tens of MiB at once, as a move of experts does); None: the level's
+    ``bandwidth_gb_per_s``. ``piper calibrate`` measures it where the all-to-all's rate does not hold
+    for such messages: on CPU ranks over loopback a 32 MiB exchange runs at 1.6 GB/s each way where
+    the all-to-all sweep (up to 4 MiB) fits 2.5 GB/s (2026-12-07, docs/migration.md)."""
 
     name: str
     domain_gpus: int | None
     bandwidth_gb_per_s: float
     latency_us: float
+    bulk_gb_per_s: float | None = None
 
     def __post_init__(self) -> None:
         positive(f"links[{self.name}].domain_gpus", self.domain_gpus, allow_none=True)
         positive(f"links[{self.name}].bandwidth_gb_per_s", self.bandwidth_gb_per_s)
         non_negative(f"links[{self.name}].latency_us", self.latency_us)
+        positive(f"links[{self.name}].bulk_gb_per_s", self.bulk_gb_per_s, allow_none=True)
+
+    @property
+    def bulk_rate_gb_per_s(self) -> float:
+        """The rate a bulk two-way exchange gets per direction (``bulk_gb_per_s``, else the bandwidth)."""
+        return self.bulk_gb_per_s if self.bulk_gb_per_s is not None else self.bandwidth_gb_per_s
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

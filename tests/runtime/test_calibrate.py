@@ -16,7 +16,7 @@ from piper_core.cli.main import main
 
 HERE = Path(__file__).resolve()
 QUICK_BOUND_S = 240
-CORE = {"gemm", "memory", "alltoall-all", "allreduce", "allgather", "reducescatter", "p2p-intra"}
+CORE = {"gemm", "memory", "alltoall-all", "allreduce", "allgather", "reducescatter", "p2p-intra", "exchange-intra"}
 
 
 def boom(info, *args):
@@ -53,6 +53,8 @@ def test_quick_calibration_writes_a_profile_predict_accepts(quick_run, capsys):
     acc = prof.cluster.accelerator
     assert acc.peak_tflops_bf16 != 0.05 and 0 < acc.gemm_efficiency <= 1  # fitted, not the base's
     assert prof.cluster.links[0].name == "intra-node" and prof.cluster.gpus_per_node == 2
+    # the bulk two-way exchange and the copy benchmark price a move of experts (issue 17)
+    assert prof.cluster.links[0].bulk_gb_per_s > 0 and acc.copy_gb_per_s > 0
     fits = prof.calibration["fits"]
     # the host-overhead probe ran through the Megatron adapter's registered trainer and was fitted
     assert status["overheads"] == "ok", summary["failures"]

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from piper_core.calibrate.assemble import fit_accelerator, fit_links, shape_cluster
+from piper_core.calibrate.assemble import fit_accelerator, fit_bulk, fit_links, shape_cluster
 from piper_core.calibrate.fit import GemmPoint, LinkSample, fit_alpha_beta, fit_roofline, quality
 from piper_core.calibrate.profile import is_profile, load_profile, profile_text, read_profile, write_profile
 from piper_core.calibrate.steps import Topology, gemm_shapes
@@ -68,6 +68,21 @@ def test_one_level_fit_makes_comm_reproduce_the_measured_all_to_all():
     assert report["curves"]["alltoall-all"]["max_rel_residual"] < 1e-4
 
 
+def test_bulk_fit_recovers_the_exchange_rate_and_keeps_the_all_to_all_links():
+    """The bulk two-way exchange (``exchange-intra``) sets the inner level's ``bulk_gb_per_s`` given its
+    fitted latency; the all-to-all's bandwidth is kept. Without the benchmark nothing changes."""
+    topo = Topology(nodes=1, ranks_per_node=2)
+    cluster = shape_cluster(topo, BASE, [(200.0, 2.5)])
+    points = [{"bytes": n, "seconds": 200e-6 + n / 1.6e9} for n in (8 << 20, 32 << 20)]
+    fitted, report = fit_bulk({"exchange-intra": {"group_size": 2, "stride": 1, "points": points}}, cluster)
+    link = fitted.links[0]
+    assert link.bulk_gb_per_s == pytest.approx(1.6, rel=1e-4) and link.bandwidth_gb_per_s == 2.5
+    assert link.latency_us == 200.0 and report["r2"] == pytest.approx(1.0, abs=1e-6)
+    assert report["bulk_gb_per_s"] == link.bulk_gb_per_s and report["all_to_all_gb_per_s"] == 2.5
+    same, report = fit_bulk({}, cluster)
+    assert same == cluster and same.links[0].bulk_rate_gb_per_s == 2.5 and "not measured" in report["source"]
+
+
 def test_two_level_fit_recovers_intra_and_inter_node_links():
     # links with no token bucket (data the model generates has none; the emulated link's bucket is
     # the next test's)
@@ -113,6 +128,18 @@ def test_roofline_fit_with_a_copy_benchmark_keeps_hbm_at_the_measured_copy_rate(
     acc, _ = fit_accelerator(bench, BASE.accelerator)
     assert acc.hbm_gb_per_s == 40.0
     assert acc.hbm_gb_per_s * acc.hbm_efficiency == pytest.approx(18.0, rel=1e-3)
+    assert acc.copy_gb_per_s == 40.0 and acc.copy_rate_gb_per_s == 40.0
+
+
+def test_a_copy_slower_than_the_gemms_stream_keeps_its_own_rate_for_cold_copies():
+    """Where the GEMMs stream faster than the copy (cache-resident weights), HBM is raised to their
+    rate, and ``copy_gb_per_s`` keeps the copy's (what a move of experts packs at)."""
+    bench = _gemm_bench(ACC, gemm_shapes(quick=True)) | {"memory": {"gb_per_s": 9.0}}
+    acc, _ = fit_accelerator(bench, BASE.accelerator)
+    assert acc.hbm_gb_per_s == pytest.approx(18.0, rel=1e-3) and acc.hbm_efficiency == 1.0
+    assert acc.copy_gb_per_s == 9.0 and acc.copy_rate_gb_per_s == 9.0
+    without, _ = fit_accelerator(_gemm_bench(ACC, gemm_shapes(quick=True)), BASE.accelerator)
+    assert without.copy_gb_per_s is None and without.copy_rate_gb_per_s == without.hbm_gb_per_s * without.hbm_efficiency
 
 
 def test_roofline_fit_is_robust_to_noise():

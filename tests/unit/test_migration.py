@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +86,28 @@ def test_the_move_time_is_alpha_beta_over_the_link_between_the_ranks():
     last = QWEN.num_layers
     both = plan_migration({}, {1: swap(0, 1).target[0][1], last: swap(0, 1).target[0][1]}, num_experts=128, ep=16)
     assert move_time(both, QWEN, pp, H100).seconds == pytest.approx(move_time(swap(0, 1), QWEN, pp, H100).seconds)
+
+
+def test_a_measured_bulk_rate_prices_the_exchange_and_a_bad_one_is_refused():
+    """``bulk_gb_per_s`` (piper calibrate's bulk two-way exchange) replaces the level's bandwidth in a
+    move's time; without it the bandwidth prices it (the test above)."""
+    plan = ParallelPlan(gpus=16, ep=16, global_batch_size=256)
+    per = expert_state_bytes(QWEN, plan).total
+    target = [list(r) for r in default_placement(128, 16)]
+    target[0][0], target[1][0] = target[1][0], target[0][0]
+    swap = plan_migration({}, {1: tuple(map(tuple, target))}, num_experts=128, ep=16)
+    nvlink = H100.links[0]
+    slow = dataclasses.replace(H100, links=(dataclasses.replace(nvlink, bulk_gb_per_s=nvlink.bandwidth_gb_per_s / 4),)
+                               + H100.links[1:])
+    assert move_time(swap, QWEN, plan, slow).seconds == pytest.approx(
+        nvlink.latency_us * 1e-6 + per / (nvlink.bandwidth_gb_per_s / 4 * 1e9) + copy_time(2 * per, H100))
+    with pytest.raises(SpecError, match=r"links\[nvlink\]\.bulk_gb_per_s.*positive"):
+        dataclasses.replace(nvlink, bulk_gb_per_s=0.0)
+    # a measured copy rate (piper calibrate's copy benchmark) prices the packing and unpacking
+    copying = dataclasses.replace(H100, accelerator=dataclasses.replace(H100.accelerator, copy_gb_per_s=1000.0))
+    assert copy_time(2 * per, copying) == pytest.approx(4 * per / 1000e9)
+    with pytest.raises(SpecError, match=r"accelerator\.copy_gb_per_s.*positive"):
+        dataclasses.replace(H100.accelerator, copy_gb_per_s=-1.0)
 
 
 def test_the_distributed_optimizer_over_several_ranks_first_assembles_the_moved_state():
@@ -192,3 +215,35 @@ def test_layer_ranges_and_move_rows_merge_equal_layers():
     assert move_rows(m, max_shown=6) == [([1, 2], "expert 1 rank 0->1, expert 2 rank 1->0"),
                                          ([3], "expert 1 rank 0->1, expert 3 rank 1->0")]
     assert move_rows(m, max_shown=1)[0] == ([1, 2, 3], "2 experts change rank")
+
+
+MOVE_COST_RUNS = sorted((Path(__file__).resolve().parents[2] / "docs" / "migration").glob("move-cost-[0-9]*.json"))
+
+
+def test_the_recorded_move_costs_are_predicted_within_the_issues_limit():
+    """Issue 17: "its measured cost per move within 30 % of the model's". The judged runs of ``make
+    bench-migrate-cost`` (docs/migration.md; runs 1-3, each on its own fresh calibration) priced again by
+    this version's model from each run's profile (checked by sha256): every row's prediction equals
+    the recorded one and is within 30 % of what was measured. A model change that moves a prediction
+    fails here; one that keeps every row within the limit has its records re-run and this reference
+    rewritten, with the reason."""
+    import hashlib
+    import re
+
+    from piper_megatron.migrate_cost import model_and_plan, swap_placement
+
+    assert len(MOVE_COST_RUNS) == 3, MOVE_COST_RUNS
+    root = Path(__file__).resolve().parents[2]
+    for path in MOVE_COST_RUNS:
+        run = json.loads(path.read_text())
+        profile = root / run["source"]["profile"]["path"]
+        assert hashlib.sha256(profile.read_bytes()).hexdigest() == run["source"]["profile"]["sha256"], profile
+        hidden, ffn, experts = map(int, re.fullmatch(r"migrate-(\d+)h-(\d+)f-(\d+)e", run["model"]).groups())
+        model, plan = model_and_plan(run["ranks"], hidden, ffn, experts, run["precision"])
+        cluster = load_cluster(str(profile))
+        for row in run["rows"]:
+            move = plan_migration({}, {1: swap_placement(experts, run["ranks"], row["k"])}, num_experts=experts,
+                                  ep=run["ranks"])
+            predicted = move_time(move, model, plan, cluster).seconds
+            assert predicted == pytest.approx(row["predicted_s"], rel=1e-9), (path.name, row["k"])
+            assert abs(predicted / row["measured_s"] - 1) <= 0.30, (path.name, row["k"], predicted, row["measured_s"])
