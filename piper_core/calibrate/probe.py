@@ -57,6 +57,15 @@ train it, so that what grows with the tensors (GEMMs, element-wise bytes) and wh
 per-layer, per-micro-batch and per-step host terms) separate by width as well as by token count. With
 one width the fitted terms traded weight (a probe at width 96 alone fitted DeepSpeed's terms so that
 its width-128 runs came out 20-28 % too fast, 2026-12-06)."""
+PROBE_FFN = dataclasses.replace(PROBE_MODEL, name="probe-ffn", moe_ffn_hidden_size=1280)
+"""The family's width-96 model with experts 8x as wide (1280): runs whose element-wise bytes (the
+experts' activations) outweigh their per-layer and per-micro-batch host terms, so that the
+element-wise rate is pinned by the data rather than traded against those terms. Without them four
+calibrations of one machine within half an hour fitted 1.28, 2.27, 1.94 and 3.47 GB/s, and predicted
+a 2-rank MoE step whose experts are 1024 wide at 0.42-0.74 s against 0.58-0.60 s measured
+(2026-12-07, docs/placement-bench.md)."""
+BASES = {"": PROBE_MODEL, "wide": PROBE_WIDE, "ffn": PROBE_FFN}
+"""A probe run's base model by its key (the last field of a :data:`PROBES` entry; "" the narrow one)."""
 FAMILY_FIELDS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "moe_ffn_hidden_size",
                  "moe_router_topk", "moe_capacity_factor", "vocab_size", "seq_length", "normalization",
                  "gated_linear_unit")
@@ -68,22 +77,24 @@ _LEGACY_BASE = ModelSpec(
 """The model probe runs recorded before 2026-12-06 trained (the val-moe widths; they record no base)."""
 PROBE_MBS = 2
 # (layers, experts (None: dense), micro-batches, micro-batch size, experts spread over every rank,
-# wide): structure and token counts spread so that per-layer, per-MoE-layer, per-expert,
-# per-micro-batch and per-byte terms separate; two runs with ep = ranks, so that ranks synchronise at
-# every MoE layer as in expert-parallel jobs (their all-to-all is priced by the fitted links, not by
-# these terms); dense, MoE and spread runs each at both widths
-Probe = tuple[int, "int | None", int, int, bool, bool]
+# base (:data:`BASES`)): structure and token counts spread so that per-layer, per-MoE-layer,
+# per-expert, per-micro-batch and per-byte terms separate; runs with ep = ranks, so that ranks
+# synchronise at every MoE layer as in expert-parallel jobs (their all-to-all is priced by the fitted
+# links, not by these terms); dense, MoE and spread runs each at both widths, and two runs with wide
+# experts (one spread)
+Probe = tuple[int, "int | None", int, int, bool, str]
 PROBES: tuple[Probe, ...] = (
-    (1, None, 1, 1, False, False), (1, None, 1, 4, False, True), (3, None, 1, 2, False, False),
-    (3, None, 3, 2, False, True), (2, None, 2, 1, False, False), (2, 2, 1, 2, False, True),
-    (2, 8, 1, 2, False, False), (2, 8, 3, 2, False, True), (1, 4, 2, 4, False, False),
-    (1, 8, 1, 1, False, True), (1, 16, 1, 2, False, False), (2, 8, 1, 2, True, True), (2, 16, 2, 2, True, False),
+    (1, None, 1, 1, False, ""), (1, None, 1, 4, False, "wide"), (3, None, 1, 2, False, ""),
+    (3, None, 3, 2, False, "wide"), (2, None, 2, 1, False, ""), (2, 2, 1, 2, False, "wide"),
+    (2, 8, 1, 2, False, ""), (2, 8, 3, 2, False, "wide"), (1, 4, 2, 4, False, ""),
+    (1, 8, 1, 1, False, "wide"), (1, 16, 1, 2, False, ""), (2, 8, 1, 2, True, "wide"), (2, 16, 2, 2, True, ""),
+    (2, 8, 1, 4, False, "ffn"), (2, 8, 2, 2, True, "ffn"),
 )
 
 
-def probe_label(layers: int, experts: int | None, m: int, mbs: int, spread: bool = False, wide: bool = False) -> str:
+def probe_label(layers: int, experts: int | None, m: int, mbs: int, spread: bool = False, base: str = "") -> str:
     return (f"{'dense' if experts is None else f'moe{experts}'}-L{layers}-m{m}-mbs{mbs}" + ("-epall" if spread else "")
-            + ("-wide" if wide else ""))
+            + (f"-{base}" if base else ""))
 
 
 FIELDS = ("layer_overhead_us", "moe_overhead_us", "expert_overhead_us", "backward_overhead_factor",
@@ -121,7 +132,7 @@ def probes_for(framework: str) -> tuple[Probe, ...]:
     cost is wanted) runs only at ep > 1."""
     if framework != "deepspeed":
         return PROBES
-    return tuple((layers, e, m, mbs, e is not None, wide) for layers, e, m, mbs, spread, wide in PROBES if not spread)
+    return tuple((layers, e, m, mbs, e is not None, base) for layers, e, m, mbs, spread, base in PROBES if not spread)
 
 
 # What each framework's model runs for attention: Megatron-Core's local layers on CPU the unfused
@@ -157,17 +168,17 @@ def probe_rank(info: Any, settings: dict[str, Any] | None = None) -> dict[str, A
     timed: list[list[tuple[float, float]]] = [[] for _ in runs]
     with tempfile.TemporaryDirectory(prefix="piper-probe-") as tmp:
         for _ in range(rounds):
-            for i, (layers, experts, m, mbs, spread, wide) in enumerate(runs):
+            for i, (layers, experts, m, mbs, spread, key) in enumerate(runs):
                 plan = probe_plan(info.world_size, m, mbs, spread, ATTENTION[framework], precision)
-                base = PROBE_WIDE if wide else PROBE_MODEL
+                base = BASES[key]
                 job = TrainJob(model=probe_model(layers, experts, base), plan=plan, steps=steps, warmup=warmup,
                                forward_steps=forward, sync_grads=False)
                 r = train(job, Path(tmp))
                 timed[i].append((statistics.median(r["step_s"][warmup:]), statistics.median(r["forward_s"])))
     out = []
-    for (layers, experts, m, mbs, spread, wide), medians in zip(runs, timed):
-        base = PROBE_WIDE if wide else PROBE_MODEL
-        out.append({"label": probe_label(layers, experts, m, mbs, spread, wide), "layers": layers, "experts": experts,
+    for (layers, experts, m, mbs, spread, key), medians in zip(runs, timed):
+        base = BASES[key]
+        out.append({"label": probe_label(layers, experts, m, mbs, spread, key), "layers": layers, "experts": experts,
                     "micro_batches": m, "micro_batch_size": mbs, "spread": spread,
                     "base": {k: getattr(base, k) for k in FAMILY_FIELDS},
                     "attention_backend": ATTENTION[framework], "precision": precision,

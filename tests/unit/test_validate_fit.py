@@ -22,13 +22,13 @@ KNOWN = {"layer_overhead_us": 900.0, "moe_overhead_us": 2500.0, "expert_overhead
 
 def _synthetic_probe(world: int, cluster):
     """Probe results as a machine with overheads KNOWN would give them (the model's own times)."""
-    from piper_core.calibrate.probe import FAMILY_FIELDS, PROBE_MODEL, PROBE_WIDE, PROBES, _base, probe_label
+    from piper_core.calibrate.probe import BASES, FAMILY_FIELDS, PROBES, _base, probe_label
 
     truth = dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, **KNOWN))
     runs = []
-    for layers, experts, m, mbs, spread, wide in PROBES:
-        base = PROBE_WIDE if wide else PROBE_MODEL
-        run = {"label": probe_label(layers, experts, m, mbs, spread, wide), "layers": layers, "experts": experts,
+    for layers, experts, m, mbs, spread, key in PROBES:
+        base = BASES[key]
+        run = {"label": probe_label(layers, experts, m, mbs, spread, key), "layers": layers, "experts": experts,
                "micro_batches": m, "micro_batch_size": mbs, "spread": spread,
                "base": {k: getattr(base, k) for k in FAMILY_FIELDS}}
         step, fwd = _base(truth, run, world)
