@@ -69,7 +69,7 @@ def report(results: dict[str, Any]) -> str:
 
 
 _VERDICT = {True: "met", False: "**not met**", None: "no target"}
-TABLES = ("verdict", "model", "repredicted")
+TABLES = ("verdict", "model", "repredicted", "model-summary")
 """The tables docs/placement-bench.md quotes (``--table``; docs/refresh.py keeps them current)."""
 
 
@@ -103,6 +103,32 @@ def model_table(results: dict[str, Any]) -> list[str]:
             lines.append(f"| {entry['case']} | {name} | {_s(row['median_s'])} | {_s(row['predicted_s'])} | "
                          f"{_s(row['model_error'], '{:+.1%}')} | {_s(row['predicted_even_s'])} | "
                          f"{_s(row['model_error_even'], '{:+.1%}')} |")
+    return lines
+
+
+def model_summary(runs: list[tuple[str, dict[str, Any]]], *, mape_limit: float = 0.10, worst_limit: float = 0.25,
+                  margin: float = 0.05) -> list[str]:
+    """Over every case and variant of ``runs`` ((name, results)): the model's step MAPE and worst error
+    with the measured histogram and with even routing, against issue 15's suite limits (MAPE and
+    worst) and issue 17's "visibly worse" (even routing's MAPE above the histogram's by ``margin``)."""
+    errors: dict[str, list[float]] = {"histogram": [], "even": []}
+    for _, results in runs:
+        for entry in results["cases"]:
+            for row in entry.get("summary", {}).get("table", {}).values():
+                errors["histogram"].append(row["model_error"])
+                errors["even"].append(row["model_error_even"])
+    if not errors["histogram"]:
+        return ["no measured case in " + ", ".join(name for name, _ in runs)]
+    stat = {k: (sum(abs(e) for e in v) / len(v), max(v, key=abs)) for k, v in errors.items()}
+    lines = ["| routing the model is given | predictions | step MAPE | worst step error |", "|---|---:|---:|---:|"]
+    lines += [f"| {'the measured histogram' if k == 'histogram' else 'even'} | {len(errors[k])} | {m:.1%} | {w:+.1%} |"
+              for k, (m, w) in stat.items()]
+    (m, w), (m_even, _) = stat["histogram"], stat["even"]
+    within = m <= mape_limit and abs(w) <= worst_limit
+    worse = m_even >= m + margin
+    lines += ["", f"Within the suite's limits (MAPE <= {mape_limit:.0%}, worst <= {worst_limit:.0%}): "
+              f"{'yes' if within else 'no'}; even routing visibly worse (MAPE {margin:.0%} or more above): "
+              f"{'yes' if worse else 'no'}; verdict: {'met' if within and worse else 'not met'}."]
     return lines
 
 
@@ -187,7 +213,7 @@ def repredict(results: dict[str, Any], profiles: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m piper_core.bench.placement_report",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("results", type=Path)
+    p.add_argument("results", type=Path, nargs="+", help="a results file (several only with --table model-summary)")
     p.add_argument("--plot", type=Path, help="write the load plot here")
     p.add_argument("--repredict", type=Path, metavar="PROFILES",
                    help="also price every case again with this version of the model, from the run's declared "
@@ -195,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", choices=TABLES,
                    help="print only this table, as docs/placement-bench.md quotes it (repredicted needs --repredict)")
     a = p.parse_args(argv)
-    results = json.loads(a.results.read_text())
+    if a.table == "model-summary":
+        print("\n".join(model_summary([(str(r), json.loads(r.read_text())) for r in a.results])))
+        return 0
+    if len(a.results) > 1:
+        p.error("several results files go with --table model-summary only")
+    results = json.loads(a.results[0].read_text())
     if a.table is not None:
         if a.table == "repredicted" and a.repredict is None:
             p.error("--table repredicted needs --repredict PROFILES (the profiles the run predicted from)")

@@ -89,3 +89,21 @@ def test_the_placement_puts_each_layers_hot_experts_apart():
     rank_of = {e: r for r, experts in enumerate(placement.ranks) for e in experts}
     assert rank_of[0] != rank_of[1]  # the two hot experts apart
     assert chosen.objective < chosen.default_objective and chosen.placement == placement.ranks
+
+
+def test_the_model_summary_judges_every_prediction_of_every_run():
+    """Issue 17's model acceptance over several runs: the histogram's MAPE and worst error against the
+    suite's limits, and even routing's MAPE at least 5 points worse; every case and variant counts."""
+    from piper_core.bench.placement_report import model_summary
+
+    def run(*pairs):
+        table = {f"v{i}": {"model_error": h, "model_error_even": e} for i, (h, e) in enumerate(pairs)}
+        return {"cases": [{"case": "local-2", "summary": {"table": table}}]}
+
+    met = model_summary([("a", run((0.05, -0.30), (-0.08, -0.25))), ("b", run((0.10, 0.20)))])
+    assert "| the measured histogram | 3 | 7.7% | +10.0% |" in met and met[-1].endswith("verdict: met.")
+    worst = model_summary([("a", run((0.02, -0.30), (-0.26, -0.25)))])  # MAPE 14 %, worst beyond 25 %
+    assert "limits (MAPE <= 10%, worst <= 25%): no" in worst[-1]
+    assert worst[-1].endswith("verdict: not met.")
+    same = model_summary([("a", run((0.05, 0.06), (0.05, 0.07)))])  # within, but even routing as good
+    assert "visibly worse (MAPE 5% or more above): no" in same[-1] and same[-1].endswith("not met.")
