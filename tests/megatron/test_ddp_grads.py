@@ -16,7 +16,12 @@ import pytest
 pytest.importorskip("megatron.core", reason="the Megatron-Core tier needs megatron-core installed")
 pytestmark = pytest.mark.megatron
 
-TOL = 1e-5  # relative to the largest gradient; dispatch order alone differs by ~1e-7 in fp32
+# relative to the largest gradient. Dispatch order alone differs by ~1e-7 in fp32 on the first step;
+# the difference compounds through the optimizer's steps, and the kernels' summation order depends on
+# the CPU: on an Intel Xeon copy of the machine (2026-12-07) rank 2 of chunks2 under overlap-distopt
+# reached 1.47e-5 by the 8th step (1.3e-8 on the first), at this commit and at the last one that
+# passed 1e-5 on an AMD EPYC copy. 1e-4 keeps a factor 10 below what the injected fault must show.
+TOL = 1e-4
 WRONG = 1e-3  # what the injected accounting must at least produce (or an error)
 
 

@@ -97,6 +97,8 @@ def test_experts_split_over_tp_or_whole_train_the_same_losses():
         assert {r["params"] for r in reports} == {stage_params(MODEL, plan)[0].total}
         losses[etp] = summary(reports)["losses"]
     assert stage_params(MODEL, dataclasses.replace(plan, etp=2))[0].total < stage_params(MODEL, plan)[0].total
-    # 1e-4: the split expert GEMMs sum in another order, and a router score that moves by rounding can
-    # swap a token's expert at capacity (6.6e-5 measured here on the first step's loss of 5.56)
-    assert losses[2] == pytest.approx(losses[1], rel=1e-4) and losses[1][-1] < losses[1][0]
+    # 5e-4: the split expert GEMMs sum in another order, and a router score that moves by rounding can
+    # swap a token's expert at capacity (6.6e-5 measured on the first step's loss of 5.56 on an AMD
+    # EPYC copy of the machine; 1.3e-4 on the third step's loss on an Intel Xeon copy, 2026-12-07, with
+    # the code that passed 1e-4 on the AMD one)
+    assert losses[2] == pytest.approx(losses[1], rel=5e-4) and losses[1][-1] < losses[1][0]
