@@ -8,8 +8,8 @@ overhead terms for it, and this probe fits them on the machine, as part of ``pip
 1. :func:`probe_rank` (every rank at once, so ranks share the cores as in a real job) trains small
    models through the framework's registered trainer (:mod:`piper_core.trainers`: Megatron-Core's
    or DeepSpeed-MoE's, as the adapter installs it) -- dense with 1 to 3 layers, MoE with 2
-   to 16 experts, 1 to 3 micro-batches of 1 to 4 sequences, mostly ep = 1 and twice with the experts
-   spread over every rank -- timing training steps and forward-only passes, without data-parallel
+   to 16 experts, 1 to 3 micro-batches of 1 to 4 sequences, at three widths (:data:`BASES`), mostly
+   ep = 1 and three times with the experts spread over every rank -- timing training steps and forward-only passes, without data-parallel
    gradient reduction (one rank's own work). They are of the probe's own family,
    :data:`PROBE_MODEL`, which no validation model belongs to (until 2026-12-06 the probe took the
    validation family's widths, so every calibration was fitted on the model it was judged on).
