@@ -57,10 +57,12 @@ validate-fp32: install
 # rounds, commit 7f7f0d6) is kept in docs/validation/fp32/runs/ and repeat.json; the first 3-round run
 # (c9d6dd9, before core_share) in docs/validation/fp32/rounds3/1; the 3-round runs with the probe
 # before the cases (9b64340 and earlier) in docs/validation/fp32/rounds3-shared; the run with the probe
-# interleaved (5cbd0ef) in docs/validation/fp32/rounds3-interleaved/1.
+# interleaved (5cbd0ef) in docs/validation/fp32/rounds3-interleaved/1; the distributed optimizer's
+# cases (866243a) in rounds3-dopt; both model terms (df1ee6a) in rounds3-core; the probe with wide
+# experts (fa02f3f) in rounds3-probe2 (the default).
 REPEATS ?= 3
 FIRST ?= 1
-SERIES ?= docs/validation/fp32/rounds3-dopt
+SERIES ?= docs/validation/fp32/rounds3-probe2
 validate-fp32-repeat: install
 	for i in $$(seq $(FIRST) $(REPEATS)); do \
 	  $(PIPER) validate --suite full-fp32 $(REALTIME) --recalibrate --profiles $(SERIES)/$$i/profiles \
