@@ -175,12 +175,41 @@ def _p2p_message(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> 
     return comm.p2p(dense_groups(plan)["pp"], act, cluster) if plan.pp > 1 else 0.0
 
 
+def plain_1f1b_waits(pp: int, rank: int, m: int) -> float:
+    """Blocking p2p calls per micro-batch on pipeline rank ``rank`` of Megatron-Core's 1F1B without
+    interleaving (``forward_backward_pipelining_without_interleaving``, ``m`` micro-batches, ``w``
+    warm-up forwards). First stage: ``w`` warm-up ``send_forward``, ``m - w`` steady
+    ``send_forward_recv_backward``, ``w`` cool-down ``recv_backward`` (its ``recv_forward`` and
+    ``send_backward`` are no-ops): ``m + w``. Last stage: one ``recv_forward`` before the steady
+    loop and ``m`` ``send_backward_recv_forward``: ``m + 1``. A middle stage: two per warm-up and
+    cool-down micro-batch, the ``recv_forward`` before the steady loop, two per steady micro-batch:
+    ``2 m + 2 w + 1``. Each call is one message's time: a batched send and receive on one link run
+    in opposite directions at once."""
+    if pp == 1 or m == 0:
+        return 0.0
+    warmup = min(pp - rank - 1, m)
+    steady = m - warmup
+    if rank == 0:
+        calls = warmup + steady + warmup
+    elif rank == pp - 1:
+        calls = 1 + m
+    else:
+        calls = 2 * warmup + (1 if steady else 0) + 2 * steady + 2 * warmup
+    return calls / m
+
+
 def p2p_exposed(message: float, plan: ParallelPlan, rank: int, compute: float, other: float) -> float:
     """Exposed p2p seconds per micro-batch on pipeline rank ``rank``, whose compute and other exposed
     communication per micro-batch are ``compute`` and ``other``; ``message`` is one send.
 
-    Without interleaving, or with ``--no-overlap-p2p-communication``, every chunk's forward and
-    backward send is waited for: ``2 vpp`` messages. With interleaving and ``overlap_p2p_comm``
+    Without interleaving (Megatron-Core ``forward_backward_pipelining_without_interleaving``) every
+    p2p call is waited for, and :func:`plain_1f1b_waits` counts them per rank: an end stage has one
+    neighbour, so each steady step's ``send_forward_recv_backward`` (first stage) or
+    ``send_backward_recv_forward`` (last stage) is one batched exchange whose two messages cross the
+    link in opposite directions at once, one message's time; a middle stage makes both calls, to two
+    neighbours, one after the other. With interleaving but ``--no-overlap-p2p-communication`` every
+    chunk's forward and backward send is waited for: ``2 vpp`` messages. With interleaving and
+    ``overlap_p2p_comm``
     (Megatron-Core ``forward_backward_pipelining_with_interleaving``, pipeline_parallel/schedules.py),
     in the steady state ``pp_post_forward`` posts a forward chunk's send/recv and the next
     ``pp_pre_forward`` waits for it after one backward chunk has run, and ``pp_post_backward``'s wait
@@ -189,7 +218,11 @@ def p2p_exposed(message: float, plan: ParallelPlan, rank: int, compute: float, o
     the ``m vpp`` chunk passes) send and wait (no ``--overlap-p2p-communication-warmup-flush``).
     """
     vpp = plan.virtual_stages
-    if vpp == 1 or not plan.overlap_p2p_comm or message == 0.0:
+    if message == 0.0:
+        return 0.0
+    if vpp == 1:
+        return plain_1f1b_waits(plan.pp, rank, plan.num_microbatches) * message
+    if not plan.overlap_p2p_comm:
         return 2 * vpp * message
     m = plan.num_microbatches
     passes = m * vpp
@@ -400,7 +433,7 @@ class ExchangeVariants:
     by the plan fields its function reads.
     """
 
-    __slots__ = ("model", "cluster", "base", "m", "vpp", "p2p", "logits", "overhead", "opt", "groups", "rank_group",
+    __slots__ = ("model", "cluster", "base", "m", "vpp", "p2p", "sends", "logits", "overhead", "opt", "groups", "rank_group",
                  "dense", "moe_keys", "dp_terms", "layers", "exchange")
 
     def __init__(self, model: ModelSpec, base: ParallelPlan, cluster: ClusterSpec, cache: dict | None = None) -> None:
@@ -411,6 +444,8 @@ class ExchangeVariants:
         sizes = (model, cluster, tp, cp, dp, base.pp, base.vpp, base.num_layers_in_first_pipeline_stage,
                  base.num_layers_in_last_pipeline_stage, base.pipeline_layout, base.ep, base.etp_size)
         self.p2p = _memo(cache, ("p2p", sizes, mbs, base.sequence_parallel), _p2p_message, model, base, cluster)
+        self.sends = (tuple(p2p_exposed(self.p2p, base, rank, 0.0, 0.0) for rank in range(base.pp))
+                      if self.vpp == 1 or not base.overlap_p2p_comm else ())
         self.logits = _memo(cache, ("logits", model, cluster, tp, cp, mbs, base.precision, base.fp8, base.recompute),
                             _end_stage, model, base, cluster)
         self.overhead = cluster.accelerator.microbatch_overhead_us * 1e-6 / base.pp
@@ -468,10 +503,9 @@ class ExchangeVariants:
             compute += overhead
             computes.append(compute)
             sums.append((compute, a2a, other))
-        if self.vpp == 1 or not base.overlap_p2p_comm:  # every rank waits for the same sends
-            p2p = p2p_exposed(message, base, 0, 0.0, 0.0)
-            group_totals = [compute + a2a + other + p2p for compute, a2a, other in sums]
-            totals = [group_totals[g] for g in self.rank_group]
+        if self.vpp == 1 or not base.overlap_p2p_comm:  # a rank's waited sends do not depend on its passes
+            group_totals = [compute + a2a + other for compute, a2a, other in sums]
+            totals = [group_totals[g] + p2p for g, p2p in zip(self.rank_group, self.sends)]
         else:  # overlapped sends: the exposed part depends on the rank's passes and warm-up
             totals = []
             for rank, g in enumerate(self.rank_group):

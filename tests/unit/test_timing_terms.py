@@ -20,7 +20,7 @@ from piper_core.presets import load_cluster, load_model
 from piper_core.specs import ParallelPlan, check_plan
 from piper_core.timing.compute import GROUPED_GEMM_STREAMS, moe_forward
 from piper_core.timing.layer import shape_of
-from piper_core.timing.step import ExchangeVariants, _p2p_message, step_time
+from piper_core.timing.step import ExchangeVariants, _p2p_message, plain_1f1b_waits, step_time
 
 H100 = load_cluster("dgx-h100")
 CPU = load_cluster("cpu-local")
@@ -78,13 +78,45 @@ def test_fast_links_expose_only_the_warm_up_and_cool_down_sends():
         assert st.p2p == pytest.approx(2 * warmup * message / p.num_microbatches, rel=1e-12)
 
 
-def test_without_p2p_overlap_or_interleaving_every_send_is_waited_for():
+def test_interleaving_without_p2p_overlap_waits_for_every_send():
     off = plan(MIXTRAL, **VPP, overlap_p2p_comm=False)
-    plain = plan(MIXTRAL, gpus=64, pp=4, ep=8, global_batch_size=128)
-    for p in (off, plain):
-        message = _p2p_message(MIXTRAL, p, H100)
-        assert all(st.p2p == 2 * p.virtual_stages * message for st in step_time(MIXTRAL, p, H100).stages)
+    message = _p2p_message(MIXTRAL, off, H100)
+    assert all(st.p2p == 2 * off.virtual_stages * message for st in step_time(MIXTRAL, off, H100).stages)
     assert step_time(MIXTRAL, plan(MIXTRAL, **VPP), H100).step < step_time(MIXTRAL, off, H100).step
+
+
+def _megatron_1f1b_calls(pp: int, rank: int, m: int) -> int:
+    """Megatron-Core's blocking p2p calls on ``rank`` over one step of 1F1B without interleaving,
+    walked call by call as forward_backward_pipelining_without_interleaving makes them (a call
+    whose every message has no peer, at the first or last stage, is a no-op and not counted)."""
+    first, last = rank == 0, rank == pp - 1
+    warmup = min(pp - rank - 1, m)
+    calls = 0
+    for _ in range(warmup):
+        calls += (not first) + (not last)  # recv_forward, send_forward
+    if m - warmup:
+        calls += not first  # recv_forward before the steady loop
+    for _ in range(m - warmup):
+        calls += not last  # send_forward_recv_backward (one link, both directions at once)
+        calls += not first  # send_backward_recv_forward, or send_backward on the last iteration
+    for _ in range(warmup):
+        calls += (not last) + (not first)  # recv_backward, send_backward
+    return calls
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 2), (8, 32), (3, 1)])
+def test_plain_1f1b_waits_for_each_call_megatron_makes(pp, m):
+    for rank in range(pp):
+        assert plain_1f1b_waits(pp, rank, m) * m == _megatron_1f1b_calls(pp, rank, m)
+
+
+def test_plain_1f1b_end_stages_wait_one_message_per_micro_batch_and_middle_stages_two():
+    p = plan(MIXTRAL, gpus=64, pp=4, ep=8, global_batch_size=128)
+    message, m = _p2p_message(MIXTRAL, p, H100), p.num_microbatches
+    p2p = [st.p2p for st in step_time(MIXTRAL, p, H100).stages]
+    assert p2p[0] == pytest.approx((m + 3) / m * message) and p2p[-1] == pytest.approx((m + 1) / m * message)
+    assert p2p[1] == pytest.approx((2 * m + 2 * 2 + 1) / m * message)
+    assert max(p2p[0], p2p[-1]) < 1.5 * message and p2p[1] > 2 * message  # the old price: 2 messages everywhere
 
 
 def test_the_search_prices_overlapped_sends_as_step_time_does():
