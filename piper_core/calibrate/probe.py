@@ -8,8 +8,9 @@ overhead terms for it, and this probe fits them on the machine, as part of ``pip
 1. :func:`probe_rank` (every rank at once, so ranks share the cores as in a real job) trains small
    models through the framework's registered trainer (:mod:`piper_core.trainers`: Megatron-Core's
    or DeepSpeed-MoE's, as the adapter installs it) -- dense with 1 to 3 layers, MoE with 2
-   to 16 experts, 1 to 3 micro-batches of 1 to 4 sequences, at three widths (:data:`BASES`), mostly
-   ep = 1 and three times with the experts spread over every rank -- timing training steps and forward-only passes, without data-parallel
+   to 16 experts, 1 to 3 micro-batches of 1 to 4 sequences, at two widths (:data:`BASES` has a
+   third, no longer run: :data:`PROBE_FFN`), mostly ep = 1 and twice with the experts spread over
+   every rank -- timing training steps and forward-only passes, without data-parallel
    gradient reduction (one rank's own work). They are of the probe's own family,
    :data:`PROBE_MODEL`, which no validation model belongs to (until 2026-12-06 the probe took the
    validation family's widths, so every calibration was fitted on the model it was judged on).
@@ -58,12 +59,17 @@ per-layer, per-micro-batch and per-step host terms) separate by width as well as
 one width the fitted terms traded weight (a probe at width 96 alone fitted DeepSpeed's terms so that
 its width-128 runs came out 20-28 % too fast, 2026-12-06)."""
 PROBE_FFN = dataclasses.replace(PROBE_MODEL, name="probe-ffn", moe_ffn_hidden_size=1280)
-"""The family's width-96 model with experts 8x as wide (1280): runs whose element-wise bytes (the
-experts' activations) outweigh their per-layer and per-micro-batch host terms, so that the
-element-wise rate is pinned by the data rather than traded against those terms. Without them four
-calibrations of one machine within half an hour fitted 1.28, 2.27, 1.94 and 3.47 GB/s, and predicted
-a 2-rank MoE step whose experts are 1024 wide at 0.42-0.74 s against 0.58-0.60 s measured
-(2026-12-07, docs/placement-bench.md)."""
+"""The family's width-96 model with experts 8x as wide (1280). Two runs on it (``"ffn"``) were in
+:data:`PROBES` from fa02f3f to 2026-12-07 (sixth session) and are not now. They were meant to pin the
+element-wise rate (four calibrations within half an hour had fitted 1.28-3.47 GB/s), and they did
+steady a 2-rank placement step whose experts are 1024 wide (predicted 0.56-0.58 s by three
+calibrations, against 0.42-0.74 s before). But the declared validation run with them
+(docs/validation/fp32/rounds3-probe2/1) scored step MAPE 32.0 % against 9.6-17.3 % for the three
+runs without them: every Megatron-Core case over-predicted, local-4 by 54-84 %. The wide runs take
+longer than the model's terms explain (the per-MoE-layer term on 4 ranks came out 17,480 us against
+7,405-10,240 us without them), and the fit put that into host terms the narrow cases then pay.
+Kept for the records that ran it (a profile refits from each run's recorded ``base``) and for a
+probe that prices what the wide runs pay."""
 BASES = {"": PROBE_MODEL, "wide": PROBE_WIDE, "ffn": PROBE_FFN}
 """A probe run's base model by its key (the last field of a :data:`PROBES` entry; "" the narrow one)."""
 FAMILY_FIELDS = ("hidden_size", "num_attention_heads", "ffn_hidden_size", "moe_ffn_hidden_size",
@@ -80,15 +86,14 @@ PROBE_MBS = 2
 # base (:data:`BASES`)): structure and token counts spread so that per-layer, per-MoE-layer,
 # per-expert, per-micro-batch and per-byte terms separate; runs with ep = ranks, so that ranks
 # synchronise at every MoE layer as in expert-parallel jobs (their all-to-all is priced by the fitted
-# links, not by these terms); dense, MoE and spread runs each at both widths, and two runs with wide
-# experts (one spread)
+# links, not by these terms); dense, MoE and spread runs each at both widths (:data:`PROBE_FFN` says
+# why no run has wide experts)
 Probe = tuple[int, "int | None", int, int, bool, str]
 PROBES: tuple[Probe, ...] = (
     (1, None, 1, 1, False, ""), (1, None, 1, 4, False, "wide"), (3, None, 1, 2, False, ""),
     (3, None, 3, 2, False, "wide"), (2, None, 2, 1, False, ""), (2, 2, 1, 2, False, "wide"),
     (2, 8, 1, 2, False, ""), (2, 8, 3, 2, False, "wide"), (1, 4, 2, 4, False, ""),
     (1, 8, 1, 1, False, "wide"), (1, 16, 1, 2, False, ""), (2, 8, 1, 2, True, "wide"), (2, 16, 2, 2, True, ""),
-    (2, 8, 1, 4, False, "ffn"), (2, 8, 2, 2, True, "ffn"),
 )
 
 
