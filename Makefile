@@ -110,8 +110,9 @@ endif
 
 # Expert placement under a skewed router (issue 17; docs/placement-bench.md): dropless Megatron-Core
 # training on 2 and 4 local ranks and the emulated 2 nodes x 2 ranks (root), Piper's default placement
-# vs the optimiser's for the routing a first run measures, stock Megatron as the baseline, 5 rounds
-# (~45 min on 2 cores, calibrations included). PLACEMENT_ARGS replaces the arguments, e.g.
+# vs the optimiser's for the routing a first run measures vs the default placement migrated while it
+# trains (--piper-migrate-every's decision after the warm-up), stock Megatron as the baseline, 5 rounds
+# (~55 min on 2 cores, calibrations included). PLACEMENT_ARGS replaces the arguments, e.g.
 # PLACEMENT_ARGS="--ranks 4 --rounds 1 --json /tmp/placement.json".
 PLACEMENT_ARGS ?= --ranks 2,4 --emulate 2x2 --rounds 5 --json docs/placement-bench/results.json
 bench-placement: install

@@ -70,9 +70,11 @@ def ds_config(job: TrainJob) -> dict[str, Any]:
         raise SpecError("distributed_optimizer", True, "the DeepSpeed trainer runs ZeRO stage 0 (ZeRO 1/2 on CPU "
                         "ranks is not measured)", "set dist_opt=false, or validate the distributed optimizer with "
                         "the Megatron-Core trainer")
-    if job.router_bias or job.placement is not None or job.trace_dir is not None:
-        raise SpecError("router_bias" if job.router_bias else "placement" if job.placement is not None else "trace_dir",
-                        "set", "the DeepSpeed trainer runs no skewed router, placement or kept trace (the "
+    uneven = (("router_bias", bool(job.router_bias)), ("placement", job.placement is not None),
+              ("trace_dir", job.trace_dir is not None), ("migrate_every", job.migrate_every is not None))
+    if any(given for _, given in uneven):
+        raise SpecError(next(key for key, given in uneven if given),
+                        "set", "the DeepSpeed trainer runs no skewed router, placement, migration or kept trace (the "
                         "Megatron-Core trainer does: python -m piper_core.bench.placement)",
                         "train the job with the Megatron-Core trainer, or drop the field")
     if plan.precision not in ("bf16", "fp32"):

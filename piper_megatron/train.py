@@ -192,7 +192,8 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path, tensors: Any
             tracer = Tracer(trace_dir / f"trace.rank{rank}.jsonl", rank=rank)
             patches = install_dispatcher(comm, DispatchSettings.from_plan(plan.a2a, plan.a2a_chunks, tune=job.tune,
                                                                          defer_wgrad=plan.defer_wgrad,
-                                                                         placement=job.placement),
+                                                                         placement=job.placement,
+                                                                         count_tokens=job.migrate_every is not None),
                                          tracer=tracer)
         tensor_parallel.model_parallel_cuda_manual_seed(job.seed)
         torch.manual_seed(job.seed)
@@ -243,6 +244,7 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path, tensors: Any
         weights = [p for c in chunks for p in c.parameters()]
         excluded = {t.untyped_storage().data_ptr() for t in [*weights, positions, *batches, *cached]}
         steps, losses, peak = [], [], 0
+        migration = _Migration.start(job, comm)
         for step in range(job.steps):
             ledger = ActivationPeak(excluded)
             dist.barrier()
@@ -262,6 +264,8 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path, tensors: Any
             if tracer is not None and step == job.warmup - 1:
                 tracer.flush()
                 (trace_dir / f"trace.rank{rank}.jsonl").write_text("")  # phases of the timed steps only
+            if migration is not None and (step + 1) % job.migrate_every == 0 and step + 1 < job.steps:
+                migration.decide(ddps, optimizer, step + 1)  # between two steps, untimed in steps[]
         state = tensors.now if tensors is not None else None  # after the last step: no activations left
         if tracer is not None:
             tracer.close()
@@ -289,11 +293,59 @@ def _train_job(job: TrainJob, ranks_per_node: int, trace_dir: Path, tensors: Any
                 "optimizer": [type(o).__name__ for o in getattr(optimizer, "chained_optimizers", [optimizer])],
                 "workspace_bytes": sum(t.untyped_storage().nbytes()
                                        for t in parallel_state.get_global_memory_buffer().buffer.values()),
+                **({} if migration is None else {"migrations": migration.records}),
                 **({} if tensors is None else {"peak_tensor_bytes": tensors.peak, "state_tensor_bytes": state})}
     finally:
         if patches is not None:
             patches.restore()
+        if job.migrate_every is not None:  # the probe trains many jobs in one process: no kept move buffers
+            from piper_megatron.migrate import release_buffers
+
+            release_buffers()
         parallel_state.destroy_model_parallel()
+
+
+class _Migration:
+    """``TrainJob.migrate_every``: the decisions :mod:`piper_megatron.live` makes between Megatron-LM's
+    iterations, made here between the trainer's steps, and what each did on this rank."""
+
+    def __init__(self, settings: Any, placements: dict[int, Any]) -> None:
+        self.settings, self.placements, self.since = settings, placements, 0
+        self.records: list[dict[str, Any]] = []
+
+    @classmethod
+    def start(cls, job: TrainJob, comm: Any) -> _Migration | None:
+        if job.migrate_every is None:
+            return None
+        from piper_megatron.live import LiveSettings, job_placements
+
+        settings = LiveSettings(every=job.migrate_every, horizon=job.migrate_horizon or job.migrate_every,
+                                model=job.model, plan=job.plan, cluster=job.migrate_cluster, timeout=comm.timeout)
+        return cls(settings, job_placements(job.model, job.plan.ep, job.placement))
+
+    def decide(self, ddps: list[Any], optimizer: Any, iteration: int) -> None:
+        import torch.distributed as dist
+
+        from piper_megatron.live import decide
+
+        dist.barrier()
+        start = time.perf_counter()
+        outcome = decide(self.settings, ddps, optimizer, self.placements, iteration=iteration, since=self.since)
+        dist.barrier()
+        seconds = time.perf_counter() - start
+        self.placements, self.since = outcome.placements, iteration
+        decision = None if outcome.choice is None else outcome.choice.chosen.decision
+        moved = bool(decision is not None and decision.migrate)
+        self.records.append({
+            "after_step": iteration, "seconds": seconds, "moved": moved,
+            "experts_moved": decision.cost.experts if moved else 0,
+            "predicted_step_before_s": None if decision is None else decision.step_before_s,
+            "predicted_step_after_s": None if decision is None else decision.step_after_s,
+            "predicted_move_s": decision.cost.seconds if moved else 0.0,
+            "move_s": None if outcome.report is None else outcome.report.seconds,
+            "sent_bytes": 0 if outcome.report is None else outcome.report.sent_bytes,
+            "placements": {str(n): list(p.ranks) for n, p in outcome.placements.items()},
+            "line": outcome.line()})
 
 
 def _uneven(job: TrainJob, chunks: list[Any], comm: Any) -> None:

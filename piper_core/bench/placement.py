@@ -22,13 +22,18 @@ ep = the world, every rank holds ``E / ep`` experts):
    (:func:`predict_routed`), and with even routing (the model without the input), so the input's
    effect shows;
 4. runs ``stock``, ``piper-default`` and ``piper-optimized`` as separate jobs of the same logical
-   model (each slot holds its logical expert's weights: ``TrainJob.placement``) in interleaved
-   rounds (round ``r`` runs every variant once, the order rotated by ``r``);
+   model (each slot holds its logical expert's weights: ``TrainJob.placement``), and
+   ``piper-migrate``: the default placement, with the live migration decision of
+   ``--piper-migrate-every`` (:mod:`piper_megatron.live`) after the warm-up steps, so its timed steps
+   run whatever placement the decision moved to (``TrainJob.migrate_every``; the decision and the
+   move are timed apart from the steps, and its predicted step is the decision's own, made before the
+   timed steps), in interleaved rounds (round ``r`` runs every variant once, the order rotated by ``r``);
 5. reports per variant the median step (the slowest rank's step, median over timed steps, then
    median over rounds) and its spread (min-max over rounds), the predicted steps and the model's
-   error, the losses (which must be equal across variants: the same model, the same data), and the
-   measured load per rank (tokens its experts received) with the default and the optimised
-   placement, per MoE layer and summed; a plot of the load per rank before and after.
+   error, the losses (which must be equal across variants: the same model, the same data, migration
+   included), the measured load per rank (tokens its experts received) with the default, the optimised
+   and the migrated placement, per MoE layer and summed, and the migrations (experts moved, the
+   move's measured time against the model's); a plot of the load per rank before and after.
 
 Every run counts: nothing is dropped; a failed run is recorded with its error and fails the verdict,
 as do unequal losses. The verdict is issue 17's: at a measured busiest-rank load of 2x the mean or
@@ -85,7 +90,7 @@ class Workload:
 WORKLOADS = {w.name: w for w in (
     Workload(name="skew", model=MODEL, micro_batch=4, micro_batches=2, router_bias=((0, 0.28), (1, 0.28))),
     Workload(name="smoke", model=SMOKE, micro_batch=2, micro_batches=2, router_bias=((0, 0.25), (1, 0.25))))}
-VARIANTS = ("stock", "piper-default", "piper-optimized")
+VARIANTS = ("stock", "piper-default", "piper-optimized", "piper-migrate")
 JUDGED = ("piper-default", "piper-optimized")
 ROUNDS, TIMED_STEPS, WARMUP = 5, 4, 2
 RUN_TIMEOUT_S = 900.0
@@ -160,15 +165,21 @@ def base_plan(case: Case, load: Workload) -> ParallelPlan:
 
 
 def train_job(case: Case, load: Workload, skew: dict[int, float], variant: str, placement: Any, *,
-              timed_steps: int, trace_dir: Path | None = None) -> Any:
+              timed_steps: int, trace_dir: Path | None = None, cluster: Any = None) -> Any:
     """The TrainJob of ``variant``: ``stock`` (Megatron's dispatcher), ``piper-default`` or
-    ``piper-optimized`` (``placement``), all with the skewed router."""
+    ``piper-optimized`` (``placement``), all with the skewed router; ``piper-migrate`` starts from
+    the default placement and, after the warm-up steps (then every ``WARMUP`` steps), lets the live
+    migration decision (:func:`piper_megatron.live.decide`, priced on ``cluster`` over the timed
+    steps) move experts when the predicted gain exceeds the move."""
     from piper_core.validate.instrument import TrainJob
 
+    migrate = variant == "piper-migrate"
     return TrainJob(model=load.model, plan=base_plan(case, load), steps=WARMUP + timed_steps, warmup=WARMUP,
                     stock=variant == "stock", router_bias=skew,
                     placement=placement if variant == "piper-optimized" else None,
-                    trace_dir=None if trace_dir is None else str(trace_dir))
+                    trace_dir=None if trace_dir is None else str(trace_dir),
+                    migrate_every=WARMUP if migrate else None, migrate_horizon=timed_steps if migrate else None,
+                    migrate_cluster=cluster if migrate else None)
 
 
 def _train(case: Case, job: Any, realtime: bool) -> list[dict[str, Any]]:
@@ -189,14 +200,28 @@ def max_over_mean(loads: list[float]) -> float:
     return max(loads) * len(loads) / sum(loads) if sum(loads) else 0.0
 
 
+def migrations(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``piper-migrate`` job's decisions, one per decision: rank 0's record (every rank decides
+    alike) with the slowest rank's decision and move times."""
+    out = []
+    for i, first in enumerate(reports[0].get("migrations", [])):
+        ranks = [r["migrations"][i] for r in reports]
+        moves = [x["move_s"] for x in ranks if x["move_s"] is not None]
+        out.append({k: v for k, v in first.items() if k not in ("seconds", "move_s")}
+                   | {"seconds": max(x["seconds"] for x in ranks), "move_s": max(moves) if moves else None})
+    return out
+
+
 def run_variant(case: Case, load: Workload, skew: dict[int, float], variant: str, placement: Any, *,
-                timed_steps: int, realtime: bool, trace_dir: Path | None = None) -> dict[str, Any]:
-    """One job: the slowest rank's step times, the losses, the tokens per rank, or the error."""
+                timed_steps: int, realtime: bool, trace_dir: Path | None = None, cluster: Any = None) -> dict[str, Any]:
+    """One job: the slowest rank's step times, the losses, the tokens per rank (and the migration
+    decisions of ``piper-migrate``), or the error."""
     from piper_core.validate.instrument import summary
 
     start = time.perf_counter()
     try:
-        job = train_job(case, load, skew, variant, placement, timed_steps=timed_steps, trace_dir=trace_dir)
+        job = train_job(case, load, skew, variant, placement, timed_steps=timed_steps, trace_dir=trace_dir,
+                        cluster=cluster)
         reports = _train(case, job, realtime)
     except Exception as exc:  # recorded, counted as a failure of the verdict
         return {"variant": variant, "error": f"{type(exc).__name__}: {exc}"[:2000],
@@ -207,6 +232,8 @@ def run_variant(case: Case, load: Workload, skew: dict[int, float], variant: str
            "piper_core": reports[0].get("piper_core")}
     if variant != "stock":  # Piper's tracer counts the tokens of each slot
         out["rank_tokens"] = rank_tokens(reports)
+    if variant == "piper-migrate":
+        out["migrations"] = migrations(reports)
     return out
 
 
@@ -307,14 +334,15 @@ def summarize(declared: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str,
     table = {}
     for v, rs in by.items():
         row = stats(rs)
-        row["predicted_s"] = declared["predicted_s"][v]
+        row["predicted_s"] = declared["predicted_s"][v] if v in declared["predicted_s"] else _migrated_prediction(rs)
         row["predicted_even_s"] = declared["predicted_even_s"]
         m = row["median_s"]
-        row["model_error"] = row["predicted_s"] / m - 1 if m else None
+        row["model_error"] = row["predicted_s"] / m - 1 if m and row["predicted_s"] else None
         row["model_error_even"] = row["predicted_even_s"] / m - 1 if m else None
         row["losses"] = next((r["losses"] for r in rs if r.get("losses")), None)
         table[v] = row
     before, after = _load_table(by["piper-default"]), _load_table(by["piper-optimized"])
+    migrated = _load_table(by["piper-migrate"])
     base, cand = table[JUDGED[0]]["median_s"], table[JUDGED[1]]["median_s"]
     failed = sum(row["failed"] for row in table.values())
     diff = _loss_diff(runs)
@@ -337,11 +365,41 @@ def summarize(declared: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str,
         verdict["target"] = (f"busiest rank below {TARGET_SKEW:g}x the mean: no target (issue 17 sets one at "
                              f"{TARGET_SKEW:g}x or more); reported")
         verdict["met"] = None
-    return {"table": table, "load_before": before, "load_after": after, "verdict": verdict}
+    return {"table": table, "load_before": before, "load_after": after, "load_migrated": migrated,
+            "migration": _migration_summary(by["piper-migrate"]), "verdict": verdict}
+
+
+def _first_move(run: dict[str, Any]) -> dict[str, Any] | None:
+    return next((d for d in run.get("migrations", []) if d["moved"]), None)
+
+
+def _migrated_prediction(runs: list[dict[str, Any]]) -> float | None:
+    """``piper-migrate``'s predicted step: the median over its runs of what the live decision after the
+    warm-up predicted for the placement it moved to (for the one it kept, where it moved nothing);
+    made before the timed steps, from the warm-up's routing."""
+    predicted = [d["predicted_step_after_s"] if d["moved"] else d["predicted_step_before_s"]
+                 for r in runs for d in r.get("migrations", [])[:1] if d["predicted_step_before_s"] is not None]
+    return statistics.median(predicted) if predicted else None
+
+
+def _migration_summary(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Over ``piper-migrate``'s successful runs: how many moved after the warm-up, the experts moved,
+    the move's measured time (slowest rank) against the model's, and the later decisions' moves."""
+    ok = [r for r in runs if "migrations" in r]
+    if not ok:
+        return None
+    first = [r["migrations"][0] if r["migrations"] else None for r in ok]
+    moved = [d for d in first if d is not None and d["moved"]]
+    return {"runs": len(ok), "moved_after_warmup": len(moved),
+            "experts_moved": [d["experts_moved"] for d in moved],
+            "move_s": [d["move_s"] for d in moved], "predicted_move_s": [d["predicted_move_s"] for d in moved],
+            "decision_s": [d["seconds"] for d in moved],
+            "later_moves": sum(d["moved"] for r in ok for d in r["migrations"][1:]),
+            "lines": [d["line"] for d in first if d is not None][:1]}
 
 
 def estimate_s(cases: list[Case], rounds: int, per_run_s: float = 40.0, calibrations: int = 0) -> float:
-    """A rough wall time: per case one measuring run and 3 variants x rounds runs of about
+    """A rough wall time: per case one measuring run and len(VARIANTS) (4) variants x rounds runs of about
     ``per_run_s``, plus ~4 min per calibration to make."""
     return len(cases) * (1 + len(VARIANTS) * rounds) * per_run_s + 240.0 * calibrations
 
@@ -384,7 +442,8 @@ def run_case(case: Case, load: Workload, skew: dict[int, float], cluster: Any, e
           f"optimised {max(skews['piper-optimized'].values()):.2f}", flush=True)
     for r in range(rounds):
         for name in rounds_order(list(VARIANTS), r):
-            run = run_variant(case, load, skew, name, placement, timed_steps=timed_steps, realtime=realtime)
+            run = run_variant(case, load, skew, name, placement, timed_steps=timed_steps, realtime=realtime,
+                              cluster=cluster)
             entry["runs"].append(run | {"round": r})
             save()
             shown = f"{run['step_s']:.3f} s" if "step_s" in run else run["error"]

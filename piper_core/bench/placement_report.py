@@ -42,7 +42,10 @@ def _case_report(entry: dict[str, Any]) -> list[str]:
                      f"{row['rounds']} ({row['failed']}) | {_s(row['predicted_s'])} | "
                      f"{_s(row['model_error'], '{:+.1%}')} | {_s(row['predicted_even_s'])} | "
                      f"{_s(row['model_error_even'], '{:+.1%}')} | {losses} |")
-    for label, key in (("before (default)", "load_before"), ("after (optimised)", "load_after")):
+    for label, key in (("before (default)", "load_before"), ("after (optimised)", "load_after"),
+                       ("after migration", "load_migrated")):
+        if key not in summary:  # results of a version without the variant
+            continue
         table = summary.get(key)
         if table is None:
             lines.append(f"load per rank {label}: not measured")
@@ -50,12 +53,25 @@ def _case_report(entry: dict[str, Any]) -> list[str]:
         per_layer = ", ".join(f"layer {k} {v:.2f}" for k, v in table["max_over_mean"].items())
         lines.append(f"load per rank {label}: tokens {table['total']} (busiest {table['total_max_over_mean']:.2f}x "
                      f"the mean; {per_layer})")
+    lines += _migration_lines(summary.get("migration"))
     v = summary["verdict"]
     met = {True: "MET", False: "NOT MET", None: "no target"}[v.get("met")]
     lines.append(f"verdict ({met}): {v.get('target')}; step cut {_s(v.get('step_cut'), '{:.1%}')}, "
                  f"speedup {_s(v.get('speedup'), '{:.3f}x')}, failed runs {v.get('failed_runs')}, losses' largest "
                  f"relative difference {_s(v.get('loss_max_rel_diff'), '{:.2g}')}")
     return lines
+
+
+def _migration_lines(m: dict[str, Any] | None) -> list[str]:
+    """piper-migrate's decisions after the warm-up: how many moved, what, and the move's time."""
+    if m is None:
+        return []
+    lines = [f"migration after the warm-up: moved in {m['moved_after_warmup']} of {m['runs']} runs "
+             f"(experts moved {m['experts_moved']}); the move (slowest rank) measured "
+             f"{', '.join(f'{x:.3g}' for x in m['move_s'] if x is not None) or '-'} s against the model's "
+             f"{', '.join(f'{x:.3g}' for x in m['predicted_move_s']) or '-'} s; later decisions moved "
+             f"{m['later_moves']} times"]
+    return lines + [f"  {line}" for line in m["lines"]]
 
 
 def report(results: dict[str, Any]) -> str:
@@ -112,9 +128,13 @@ def model_summary(runs: list[tuple[str, dict[str, Any]]], *, mape_limit: float =
     with the measured histogram and with even routing, against issue 15's suite limits (MAPE and
     worst) and issue 17's "visibly worse" (even routing's MAPE above the histogram's by ``margin``)."""
     errors: dict[str, list[float]] = {"histogram": [], "even": []}
+    missing = 0  # a variant with no successful run (or, for piper-migrate, no decision) has no error
     for _, results in runs:
         for entry in results["cases"]:
             for row in entry.get("summary", {}).get("table", {}).values():
+                if row["model_error"] is None or row["model_error_even"] is None:
+                    missing += 1
+                    continue
                 errors["histogram"].append(row["model_error"])
                 errors["even"].append(row["model_error_even"])
     if not errors["histogram"]:
@@ -129,12 +149,16 @@ def model_summary(runs: list[tuple[str, dict[str, Any]]], *, mape_limit: float =
     lines += ["", f"Within the suite's limits (MAPE <= {mape_limit:.0%}, worst <= {worst_limit:.0%}): "
               f"{'yes' if within else 'no'}; even routing visibly worse (MAPE {margin:.0%} or more above): "
               f"{'yes' if worse else 'no'}; verdict: {'met' if within and worse else 'not met'}."]
+    if missing:
+        lines.append(f"{missing} variant(s) of a case had no measured step or no prediction: not in the figures, "
+                     "and the verdict is not met.")
+        lines[-2] = lines[-2].replace("verdict: met.", "verdict: not met.")
     return lines
 
 
 def plot_loads(results: dict[str, Any], path: Path) -> Path | None:
-    """Bar chart of each rank's load over the mean, default vs optimised placement, one panel per
-    case (None when no case measured both)."""
+    """Bar chart of each rank's load over the mean, default vs optimised placement (and the placement
+    piper-migrate moved to, where it ran), one panel per case (None when no case measured both)."""
     cases = [e for e in results["cases"] if (e.get("summary") or {}).get("load_before")
              and e["summary"].get("load_after")]
     if not cases:
@@ -144,12 +168,14 @@ def plot_loads(results: dict[str, Any], path: Path) -> Path | None:
     fig = _figure(max(5.0, 4.0 * len(cases)), 3.4)
     axes = fig.subplots(1, len(cases), squeeze=False)[0]
     for ax, entry in zip(axes, cases):
-        for offset, (label, key, colour) in enumerate((("default", "load_before", "#e8743b"),
-                                                       ("optimised", "load_after", "#1f5fa8"))):
+        bars = [b for b in (("default", "load_before", "#e8743b"), ("optimised", "load_after", "#1f5fa8"),
+                            ("migrated", "load_migrated", "#3a9a5b")) if entry["summary"].get(b[1])]
+        width = 0.8 / len(bars)
+        for offset, (label, key, colour) in enumerate(bars):
             total = entry["summary"][key]["total"]
             mean = sum(total) / len(total)
-            xs = [r + (offset - 0.5) * 0.4 for r in range(len(total))]
-            ax.bar(xs, [t / mean for t in total], width=0.4, color=colour,
+            xs = [r + (offset - (len(bars) - 1) / 2) * width for r in range(len(total))]
+            ax.bar(xs, [t / mean for t in total], width=width, color=colour,
                    label=f"{label} (max {max(total) / mean:.2f}x)")
         ax.axhline(1.0, color="#a0a0a0", linewidth=0.8)
         ax.set_xticks(range(entry["world"]))
@@ -202,12 +228,30 @@ def repredict(results: dict[str, Any], profiles: Path) -> list[str]:
         now = {"stock": predict_routed(load.model, cluster, plan, routing),
                "piper-default": predict_routed(load.model, cluster, plan, routing),
                "piper-optimized": predict_routed(load.model, cluster, plan, routing, placed)}
+        migrated = _migrated_placements(entry)
+        if migrated is not None:
+            now["piper-migrate"] = predict_routed(load.model, cluster, plan, routing, migrated)
         even = predict(load.model, cluster, plan).time.step
         for name, row in entry["summary"]["table"].items():
-            measured, then, again = row["median_s"], row["predicted_s"], now[name].prediction.time.step
-            lines.append(f"| {entry['case']} | {name} | {_s(measured)} | {_s(then)} | {then / measured - 1:+.1%} | "
-                         f"{again:.3f} | {again / measured - 1:+.1%} | {even:.3f} | {even / measured - 1:+.1%} |")
+            measured, then = row["median_s"], row["predicted_s"]
+            again = now[name].prediction.time.step if name in now else None
+            lines.append(f"| {entry['case']} | {name} | {_s(measured)} | {_s(then)} | {_err(then, measured)} | "
+                         f"{_s(again)} | {_err(again, measured)} | {even:.3f} | {_err(even, measured)} |")
     return lines
+
+
+def _err(predicted: float | None, measured: float | None) -> str:
+    return "-" if predicted is None or not measured else f"{predicted / measured - 1:+.1%}"
+
+
+def _migrated_placements(entry: dict[str, Any]) -> dict[int, tuple[tuple[int, ...], ...]] | None:
+    """The placements piper-migrate's timed steps ran: its first successful run's last decision's
+    (every run decides alike from the same routing), per MoE layer; None without such a run."""
+    run = next((r for r in entry.get("runs", []) if r.get("variant") == "piper-migrate" and r.get("migrations")), None)
+    if run is None:
+        return None
+    last = run["migrations"][-1]["placements"]
+    return {int(n): tuple(tuple(r) for r in ranks) for n, ranks in last.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
 from piper_core.specs.parallel import ParallelPlan
 from piper_core.specs.yamlio import from_dict, to_dict
@@ -31,7 +32,13 @@ class TrainJob:
     Piper's dispatcher puts each logical expert; the model is built with the default placement and
     each slot then loaded with its logical expert's weights, so every placement trains the same
     model), ``trace_dir`` (each rank keeps its ``--piper-trace`` file of the timed steps there,
-    ``trace.rank<R>.jsonl``). Megatron's trainer runs them (:mod:`piper_megatron.experts`)."""
+    ``trace.rank<R>.jsonl``). Megatron's trainer runs them (:mod:`piper_megatron.experts`).
+
+    Expert migration while it trains (issue 17, deliverable 3): ``migrate_every`` steps, between two
+    of them, every rank runs :func:`piper_megatron.live.decide` (the decision ``--piper-migrate-every``
+    makes in Megatron-LM), priced on ``migrate_cluster`` over ``migrate_horizon`` steps (default
+    ``migrate_every``), starting from ``placement``. The decisions run outside the timed steps and are
+    reported with their own time. Megatron's trainer only, Piper's dispatcher."""
 
     model: ModelSpec
     plan: ParallelPlan
@@ -47,6 +54,9 @@ class TrainJob:
     router_bias: tuple[tuple[int, float], ...] = ()
     placement: ExpertPlacement | None = None
     trace_dir: str | None = None
+    migrate_every: int | None = None
+    migrate_horizon: int | None = None
+    migrate_cluster: ClusterSpec | None = None
 
     def __post_init__(self) -> None:
         from piper_core.errors import SpecError
@@ -69,7 +79,9 @@ class TrainJob:
                 "forward_steps": self.forward_steps, "sync_grads": self.sync_grads,
                 "tune": self.tune, "memory": self.memory, "router_bias": [list(p) for p in self.router_bias],
                 "placement": None if self.placement is None else self.placement.to_json(),
-                "trace_dir": self.trace_dir}
+                "trace_dir": self.trace_dir, "migrate_every": self.migrate_every,
+                "migrate_horizon": self.migrate_horizon,
+                "migrate_cluster": None if self.migrate_cluster is None else to_dict(self.migrate_cluster)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainJob:
@@ -84,7 +96,10 @@ class TrainJob:
                    tune=d.get("tune", False), memory=d.get("memory", False),
                    router_bias=tuple(tuple(p) for p in d.get("router_bias", ())),
                    placement=placement,
-                   trace_dir=d.get("trace_dir"))
+                   trace_dir=d.get("trace_dir"), migrate_every=d.get("migrate_every"),
+                   migrate_horizon=d.get("migrate_horizon"),
+                   migrate_cluster=None if d.get("migrate_cluster") is None else
+                   from_dict(ClusterSpec, d["migrate_cluster"], where="job: migrate_cluster"))
 
     @property
     def router_bias_map(self) -> dict[int, float]:
@@ -109,12 +124,39 @@ def _check_uneven(job: TrainJob) -> None:
             raise SpecError(f"router_bias[{e}]", b, "must be a finite number (added to the router logit)",
                             "give e.g. 1.5")
         seen.add(e)
+    _check_migration(job, experts)
     if job.placement is not None:
         job.placement.check(num_experts=experts, ep=job.plan.ep, key="placement",
                             fix_ep=f"write a placement for the plan's ep={job.plan.ep}")
         if job.stock and not job.placement.is_default:
             raise SpecError("placement", job.placement.describe(), "runs on Piper's dispatcher only: the stock "
                             "dispatcher sends logical expert l to slot l", "drop stock, or the placement")
+
+
+def _check_migration(job: TrainJob, experts: int) -> None:
+    """``migrate_every``: a whole number of steps >= 1, on a MoE model with Piper's dispatcher, with the
+    cluster its decisions price on; ``migrate_horizon`` and ``migrate_cluster`` only with it."""
+    from piper_core.errors import SpecError
+
+    if job.migrate_every is None:
+        for key, value in (("migrate_horizon", job.migrate_horizon), ("migrate_cluster", job.migrate_cluster)):
+            if value is not None:
+                raise SpecError(key, value if key == "migrate_horizon" else value.name,
+                                "is used by migration decisions, and the job makes none without migrate_every",
+                                "set migrate_every, or drop it")
+        return
+    for key, value in (("migrate_every", job.migrate_every), ("migrate_horizon", job.migrate_horizon)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise SpecError(key, value, "must be a whole number of steps >= 1", "give e.g. 2")
+    if not experts:
+        raise SpecError("migrate_every", job.migrate_every, "moves routed experts: the model has none",
+                        "train a MoE model, or drop it")
+    if job.stock:
+        raise SpecError("migrate_every", job.migrate_every, "needs Piper's dispatcher (it moves experts between "
+                        "physical slots); the stock dispatcher has fixed slots", "drop stock, or migrate_every")
+    if job.migrate_cluster is None:
+        raise SpecError("migrate_cluster", None, "must be given with migrate_every: the decisions price the "
+                        "predicted step and the move on it", "pass the job's cluster (a preset or a calibrated profile)")
 
 
 class _Box:

@@ -3,11 +3,13 @@
 One round of the ``smoke`` workload on 4 local gloo ranks (ep 4), priced on the ``cpu-local``
 preset (no calibration): the measuring run's trace files give the routing histogram, the placement
 and predictions are declared (written to the results) before the first timed run, then stock,
-Piper's default and Piper's optimised placement each train once. Checked: the structure of the
-results, every run succeeded, the losses are equal across the three (the same logical model), the
+Piper's default and Piper's optimised placement each train once, and Piper's default placement
+with the live migration decision after the warm-up (``piper-migrate``). Checked: the structure of the
+results, every run succeeded, the losses are equal across the four (the same logical model), the
 router bias loads the busiest rank at 2x the mean or more with the default placement and the
-optimised placement lowers it, the histogram was read from the trace files, the report and the plot
-are written. No timing is asserted.
+optimised placement lowers it, the migration moves experts before the timed steps and lowers it too,
+the histogram was read from the trace files, the report and the plot are written. No timing is
+asserted.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def bench(tmp_path_factory):
 def test_results_hold_one_case_with_every_variant(bench):
     code, results, _, _ = bench
     assert code in (0, 1)  # 1: a verdict not met (timings are not judged here)
-    assert results["variants"] == ["stock", "piper-default", "piper-optimized"]
+    assert results["variants"] == ["stock", "piper-default", "piper-optimized", "piper-migrate"]
     (case,) = results["cases"]
     assert case["case"] == "local-4" and case["world"] == 4
     assert sorted(r["variant"] for r in case["runs"]) == sorted(results["variants"])
@@ -76,7 +78,7 @@ def test_losses_are_equal_across_placements(bench):
     _, results, _, _ = bench
     case = results["cases"][0]
     losses = [r["losses"] for r in case["runs"]]
-    assert len(losses[0]) == 4
+    assert len(losses) == 4 and len(losses[0]) == 4
     assert all(x == pytest.approx(losses[0], rel=1e-6) for x in losses)
     assert case["summary"]["verdict"]["losses_equal"] is True
 
@@ -110,3 +112,22 @@ def test_the_report_and_the_plot_are_written(bench):
     assert all(row.rstrip(" |").split("| ")[-1] in ("met", "**not met**", "no target") for row in verdict[2:])
     rows = model_table(results)[2:]
     assert len(rows) == sum(len(e["summary"]["table"]) for e in results["cases"] if "table" in e.get("summary", {}))
+
+
+def test_the_migrate_variant_moves_experts_after_the_warm_up_and_evens_the_load(bench):
+    _, results, _, _ = bench
+    case = results["cases"][0]
+    (run,) = [r for r in case["runs"] if r["variant"] == "piper-migrate"]
+    first = run["migrations"][0]
+    assert first["after_step"] == run["warmup"] and first["moved"] and first["experts_moved"] > 0, first
+    assert first["move_s"] > 0 and first["predicted_move_s"] > 0
+    assert first["sent_bytes"] > 0  # rank 0's record: it held the hot experts 0 and 1, and gives one away
+    assert first["predicted_step_after_s"] < first["predicted_step_before_s"]
+    assert len(run["migrations"]) == 1  # 2 warm-up + 2 timed steps: no decision after the last step
+    summary = case["summary"]
+    assert summary["load_migrated"]["total_max_over_mean"] < summary["load_before"]["total_max_over_mean"]
+    assert summary["table"]["piper-migrate"]["predicted_s"] == pytest.approx(first["predicted_step_after_s"])
+    assert summary["migration"]["moved_after_warmup"] == 1
+    from piper_core.bench.placement_report import report
+
+    assert "migration after the warm-up: moved in 1 of 1 runs" in report(results)

@@ -50,7 +50,7 @@ def test_cases_and_skew_parse_with_clear_errors():
     for bad in ("0:x", "a:1", "0:1,0:2", "0", ""):
         with pytest.raises(ValueError, match="EXPERT:BIAS"):
             parse_skew(bad)
-    assert estimate_s([Case(nodes=1, ranks_per_node=2)], 5, per_run_s=10.0) == 160.0
+    assert estimate_s([Case(nodes=1, ranks_per_node=2)], 5, per_run_s=10.0) == 210.0  # 1 + 4 variants x 5
 
 
 def test_a_skewed_case_is_met_when_the_optimised_placement_cuts_15_percent():
@@ -107,3 +107,62 @@ def test_the_model_summary_judges_every_prediction_of_every_run():
     assert worst[-1].endswith("verdict: not met.")
     same = model_summary([("a", run((0.05, 0.06), (0.05, 0.07)))])  # within, but even routing as good
     assert "visibly worse (MAPE 5% or more above): no" in same[-1] and same[-1].endswith("not met.")
+    missing = model_summary([("a", run((0.05, -0.30), (None, None)))])  # a failed variant: counted as missing
+    assert "| the measured histogram | 1 |" in missing[2] and missing[-1].startswith("1 variant(s)")
+    assert missing[-2].endswith("verdict: not met.")
+
+
+def _decision(after_step, moved, *, before=1.0, after=0.8, move_s=0.05, predicted_move_s=0.04):
+    return {"after_step": after_step, "moved": moved, "experts_moved": 2 if moved else 0, "seconds": 0.2,
+            "predicted_step_before_s": before, "predicted_step_after_s": after, "move_s": move_s if moved else None,
+            "predicted_move_s": predicted_move_s if moved else 0.0, "line": f"decision after {after_step}"}
+
+
+def test_the_migrate_variant_is_predicted_by_its_own_decision_and_its_moves_are_reported():
+    """piper-migrate: its predicted step is what the live decision after the warm-up predicted for the
+    placement it moved to (the median over runs), its load after the move is kept, its moves counted,
+    and its losses must equal the others' like every variant's."""
+    migrate = [dict(_run("piper-migrate", 0.82, tokens=(300, 300, 200, 200)),
+                    migrations=[_decision(2, True, after=0.78), _decision(4, False)]),
+               dict(_run("piper-migrate", 0.84, tokens=(300, 300, 200, 200)),
+                    migrations=[_decision(2, True, after=0.80), _decision(4, False)])]
+    s = summarize(DECLARED, _runs() + migrate)
+    row = s["table"]["piper-migrate"]
+    assert row["median_s"] == pytest.approx(0.83) and row["predicted_s"] == pytest.approx(0.79)
+    assert row["model_error"] == pytest.approx(0.79 / 0.83 - 1)
+    assert s["load_migrated"]["total_max_over_mean"] == pytest.approx(1.2)
+    m = s["migration"]
+    assert m["runs"] == 2 and m["moved_after_warmup"] == 2 and m["later_moves"] == 0
+    assert m["move_s"] == [0.05, 0.05] and m["predicted_move_s"] == [0.04, 0.04]
+    kept = summarize(DECLARED, _runs() + [dict(_run("piper-migrate", 1.0), migrations=[_decision(2, False)])])
+    assert kept["table"]["piper-migrate"]["predicted_s"] == 1.0 and kept["migration"]["moved_after_warmup"] == 0
+    unequal = [dict(_run("piper-migrate", 0.8, losses=(5.0, 4.7)), migrations=[_decision(2, True)])]
+    assert summarize(DECLARED, _runs() + unequal)["verdict"]["losses_equal"] is False
+    from piper_core.bench.placement_report import _migration_lines
+
+    assert "moved in 2 of 2 runs" in _migration_lines(m)[0]
+
+
+def test_a_job_that_migrates_names_what_it_is_missing():
+    from piper_core.errors import SpecError
+    from piper_core.presets import load_cluster
+    from piper_core.bench.placement import SMOKE
+    from piper_core.specs.parallel import ParallelPlan
+    from piper_core.validate.instrument import TrainJob
+
+    plan = ParallelPlan(gpus=2, ep=2, global_batch_size=4, micro_batch_size=2, precision="fp32",
+                        distributed_optimizer=False)
+    cluster = load_cluster("cpu-local")
+    job = TrainJob(model=SMOKE, plan=plan, migrate_every=2, migrate_cluster=cluster)
+    assert TrainJob.from_json(job.to_json()) == job
+    for kw, match in ((dict(migrate_every=2), "migrate_cluster.*must be given with migrate_every"),
+                      (dict(migrate_every=0, migrate_cluster=cluster), "migrate_every.*whole number of steps"),
+                      (dict(migrate_every=2, migrate_horizon=-1, migrate_cluster=cluster), "migrate_horizon"),
+                      (dict(migrate_horizon=4), "migrate_horizon.*makes none without migrate_every"),
+                      (dict(migrate_every=2, migrate_cluster=cluster, stock=True), "needs Piper's dispatcher")):
+        with pytest.raises(SpecError, match=match):
+            TrainJob(model=SMOKE, plan=plan, **kw)
+    from piper_deepspeed.measure import ds_config
+
+    with pytest.raises(SpecError, match="migrate_every.*DeepSpeed trainer runs no skewed router, placement, migration"):
+        ds_config(job)
