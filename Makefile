@@ -59,10 +59,11 @@ validate-fp32: install
 # before the cases (9b64340 and earlier) in docs/validation/fp32/rounds3-shared; the run with the probe
 # interleaved (5cbd0ef) in docs/validation/fp32/rounds3-interleaved/1; the distributed optimizer's
 # cases (866243a) in rounds3-dopt; both model terms (df1ee6a) in rounds3-core; the probe with wide
-# experts (fa02f3f) in rounds3-probe2 (the default).
+# experts (fa02f3f) in rounds3-probe2 (one run, then that probe retired); the 1F1B p2p count with the
+# probe of rounds3-core in rounds3-p2p (the default).
 REPEATS ?= 3
 FIRST ?= 1
-SERIES ?= docs/validation/fp32/rounds3-probe2
+SERIES ?= docs/validation/fp32/rounds3-p2p
 validate-fp32-repeat: install
 	for i in $$(seq $(FIRST) $(REPEATS)); do \
 	  $(PIPER) validate --suite full-fp32 $(REALTIME) --recalibrate --profiles $(SERIES)/$$i/profiles \
