@@ -369,10 +369,6 @@ def summarize(declared: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str,
             "migration": _migration_summary(by["piper-migrate"]), "verdict": verdict}
 
 
-def _first_move(run: dict[str, Any]) -> dict[str, Any] | None:
-    return next((d for d in run.get("migrations", []) if d["moved"]), None)
-
-
 def _migrated_prediction(runs: list[dict[str, Any]]) -> float | None:
     """``piper-migrate``'s predicted step: the median over its runs of what the live decision after the
     warm-up predicted for the placement it moved to (for the one it kept, where it moved nothing);
