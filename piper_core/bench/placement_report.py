@@ -91,21 +91,26 @@ TABLES = ("verdict", "model", "repredicted", "model-summary")
 
 def verdict_table(results: dict[str, Any]) -> list[str]:
     """Per case: the measured busiest rank over the mean (summed over the MoE layers) with the default
-    and the optimised placement, each variant's median step, the judged cut and the verdict."""
-    lines = ["| case | busiest rank / mean, default -> optimised (measured) | stock s | Piper default s | "
-             "Piper optimised s | step cut (judged) | verdict |", "|---|---|---:|---:|---:|---:|---|"]
+    and the optimised placement (and after migration, where the run had the variant), each variant's
+    median step, the judged cut and the verdict; the migrated variant's cut against Piper's default
+    stands beside the judged one, not in it ("-": not run, or a results file from before it)."""
+    lines = ["| case | busiest rank / mean, default -> optimised (-> migrated) (measured) | stock s | "
+             "Piper default s | Piper optimised s | Piper migrated s | step cut (judged) | cut by migration | "
+             "verdict |", "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for entry in results["cases"]:
         summary = entry.get("summary", {})
         if "table" not in summary:
-            lines.append(f"| {entry['case']} | - | - | - | - | - | not measured |")
+            lines.append(f"| {entry['case']} | - | - | - | - | - | - | - | not measured |")
             continue
         table, v = summary["table"], summary["verdict"]
-        loads = " -> ".join(_s((summary.get(k) or {}).get("total_max_over_mean"), "{:.2f}")
-                            for k in ("load_before", "load_after"))
-        medians = " | ".join(_s((table.get(name) or {}).get("median_s"))
-                             for name in ("stock", "piper-default", "piper-optimized"))
-        lines.append(f"| {entry['case']} | {loads} | {medians} | {_s(v.get('step_cut'), '{:.1%}')} | "
-                     f"{_VERDICT[v.get('met')]} |")
+        keys = ("load_before", "load_after") + (("load_migrated",) if summary.get("load_migrated") else ())
+        loads = " -> ".join(_s((summary.get(k) or {}).get("total_max_over_mean"), "{:.2f}") for k in keys)
+        medians = [(table.get(name) or {}).get("median_s")
+                   for name in ("stock", "piper-default", "piper-optimized", "piper-migrate")]
+        default, migrated = medians[1], medians[3]
+        cut = 1 - migrated / default if default and migrated else None
+        lines.append(f"| {entry['case']} | {loads} | {' | '.join(_s(m) for m in medians)} | "
+                     f"{_s(v.get('step_cut'), '{:.1%}')} | {_s(cut, '{:.1%}')} | {_VERDICT[v.get('met')]} |")
     return lines
 
 

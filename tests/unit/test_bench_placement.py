@@ -143,6 +143,27 @@ def test_the_migrate_variant_is_predicted_by_its_own_decision_and_its_moves_are_
     assert "moved in 2 of 2 runs" in _migration_lines(m)[0]
 
 
+def test_the_verdict_table_shows_the_migrated_variant_beside_the_judged_cut():
+    """docs/placement-bench.md's verdict table: the migrated variant's median, its load and its cut
+    against Piper's default stand beside the judged cut (default -> optimised), which they do not change;
+    a results file from before the variant shows "-" there."""
+    from piper_core.bench.placement_report import verdict_table
+
+    migrate = [dict(_run("piper-migrate", 0.75, tokens=(300, 300, 200, 200)), migrations=[_decision(2, True)])]
+    with_it = summarize(DECLARED, _runs() + migrate)
+    without = summarize(DECLARED, _runs())
+    without.pop("load_migrated"), without.pop("migration")
+    without["table"].pop("piper-migrate", None)
+    rows = verdict_table({"cases": [{"case": "a", "summary": with_it}, {"case": "b", "summary": without},
+                                    {"case": "c", "summary": {}}]})
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert header[5:8] == ["Piper migrated s", "step cut (judged)", "cut by migration"], header
+    a, b, c = ([x.strip() for x in r.strip("|").split("|")] for r in rows[2:])
+    assert a[1] == "2.40 -> 1.20 -> 1.20" and a[5] == "0.750" and a[6] == "20.0%" and a[7] == "25.0%", a
+    assert b[1] == "2.40 -> 1.20" and b[5] == "-" and b[7] == "-" and b[6] == a[6], b
+    assert len(c) == len(header) and c[-1] == "not measured", c
+
+
 def test_a_job_that_migrates_names_what_it_is_missing():
     from piper_core.errors import SpecError
     from piper_core.presets import load_cluster
