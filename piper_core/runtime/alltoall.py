@@ -15,7 +15,7 @@ transposed (Megatron ``tensor_parallel.mappings._AllToAll`` swaps the splits the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -140,11 +140,12 @@ class PendingExchange:
         idx = self._route.final_index
         return out if idx is None else out.index_select(0, idx)
 
-    def _what(self, stage: StagePlan) -> timeouts.OpName:
-        ranks = self._comm.layout.ranks
-        return timeouts.OpName(op=self._op, stage=f"stage {self._stage + 1}/{len(self._route.stages)} "
-                               f"({stage.spec.name})", ranks=tuple(ranks[m] for m in stage.members),
-                               rank=self._comm.global_rank)
+    def _what(self, stage: StagePlan) -> Callable[[], timeouts.OpName]:
+        """The current stage's name for errors, made only when one is raised (:data:`timeouts.Named`)."""
+        ranks, number = self._comm.layout.ranks, self._stage + 1
+        return lambda: timeouts.OpName(op=self._op, stage=f"stage {number}/{len(self._route.stages)} "
+                                       f"({stage.spec.name})", ranks=tuple(ranks[m] for m in stage.members),
+                                       rank=self._comm.global_rank)
 
     def _post(self, buf: torch.Tensor) -> None:
         """Post the current stage; first run locally every stage that is trivial on every member

@@ -93,19 +93,28 @@ class CollectiveError(RuntimeError):
                          f"({type(cause).__name__}: {first}). {hint}")
 
 
-def launch(what: OpName, start: Callable[[], T]) -> T:
+Named = OpName | Callable[[], OpName]
+"""A collective's name, or a function that makes it: the runtime's exchanges pass the function, so the
+name (strings and tuples, built for every stage of every exchange) is made only when a message needs it."""
+
+
+def _name(what: Named) -> OpName:
+    return what if isinstance(what, OpName) else what()
+
+
+def launch(what: Named, start: Callable[[], T]) -> T:
     """Run ``start`` (which posts a collective and returns its work handle), naming any failure."""
     try:
         return start()
     except (RuntimeError, dist.DistError) as e:
-        raise CollectiveError(what, timeout=None, cause=e, posting=True) from e
+        raise CollectiveError(_name(what), timeout=None, cause=e, posting=True) from e
 
 
-def wait(work: dist.Work, what: OpName, timeout: timedelta | None) -> None:
+def wait(work: dist.Work, what: Named, timeout: timedelta | None) -> None:
     """Wait for ``work``; at most ``timeout`` (None: rely on the process group's own timeout)."""
     try:
         done = work.wait() if timeout is None else work.wait(timeout=timeout)
     except (RuntimeError, dist.DistError) as e:
-        raise CollectiveError(what, timeout=timeout, cause=e) from e
+        raise CollectiveError(_name(what), timeout=timeout, cause=e) from e
     if done is False:
-        raise CollectiveError(what, timeout=timeout, cause=TimeoutError("work.wait returned False"))
+        raise CollectiveError(_name(what), timeout=timeout, cause=TimeoutError("work.wait returned False"))
