@@ -215,7 +215,8 @@ def _lstsq(rows: list[list[float]], ys: list[float], scale: list[float]) -> list
 FAST = 1e6  # GB/s: an element-wise rate at which the model's element-wise terms vanish
 
 
-def _with(cluster: ClusterSpec, **fields: Any) -> ClusterSpec:
+def with_accelerator(cluster: ClusterSpec, **fields: Any) -> ClusterSpec:
+    """``cluster`` with these accelerator fields replaced."""
     return dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, **fields))
 
 
@@ -239,8 +240,8 @@ def _base(cluster: ClusterSpec, run: dict[str, Any], world: int) -> tuple[float,
 def _parts(cluster: ClusterSpec, run: dict[str, Any], world: int) -> tuple[tuple[float, float], tuple[float, float]]:
     """The model's (step, forward) split into what is not element-wise, and the element-wise bytes
     in GB (the time at 1 GB/s), with every host overhead at zero."""
-    fast = _base(_with(cluster, elementwise_gb_per_s=FAST), run, world)
-    slow = _base(_with(cluster, elementwise_gb_per_s=1.0), run, world)
+    fast = _base(with_accelerator(cluster, elementwise_gb_per_s=FAST), run, world)
+    slow = _base(with_accelerator(cluster, elementwise_gb_per_s=1.0), run, world)
     gbytes = tuple((s - f) / (1 - 1 / FAST) for s, f in zip(slow, fast))
     rest = tuple(f - g / FAST for f, g in zip(fast, gbytes))
     return (rest[0], gbytes[0]), (rest[1], gbytes[1])
@@ -264,7 +265,7 @@ def fit_overheads(cluster: ClusterSpec, probe_results: list[dict[str, Any]]) -> 
     """
     world = len(probe_results)
     runs = slowest_rank(probe_results)
-    zero = _with(cluster, **{f: (2.0 if f == "backward_overhead_factor" else 0.0) for f in FIELDS})
+    zero = with_accelerator(cluster, **{f: (2.0 if f == "backward_overhead_factor" else 0.0) for f in FIELDS})
     parts = [_parts(zero, run, world) for run, _, _ in runs]
     f_rows, f_ys, counts = [], [], []
     for (run, _, fwd), (_, (g_f, b_f)) in zip(runs, parts):
@@ -286,7 +287,7 @@ def fit_overheads(cluster: ClusterSpec, probe_results: list[dict[str, Any]]) -> 
     fields = {key: round(v, 3) for key, v in fields.items()}
     if k > 0:
         fields["elementwise_gb_per_s"] = float(f"{1e6 / k:.5g}")  # us per GB -> GB/s
-    fitted = _with(cluster, **fields)
+    fitted = with_accelerator(cluster, **fields)
     measured, predicted, points = [], [], []
     for run, step, fwd in runs:
         p, pf = _base(fitted, run, world)

@@ -180,9 +180,9 @@ class PendingExchange:
 
     def _finish(self) -> None:
         stage = self._route.stages[self._stage]
-        timeout = self._comm.timeout if self._comm.host_timeout else None
+        timeout, what = self._comm.timeout if self._comm.host_timeout else None, self._what(stage)
         for work in self._works:
-            timeouts.wait(work, self._what(stage), timeout)
+            timeouts.wait(work, what, timeout)
         self._works, self._keep = [], ()
         self._stage += 1
 

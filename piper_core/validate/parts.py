@@ -23,7 +23,6 @@ apply. ``--cases TOPOLOGY`` lists that topology's cases by their median error ov
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -31,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from piper_core.calibrate.probe import FAST, FIELDS
+from piper_core.calibrate.probe import FAST, FIELDS, with_accelerator
 from piper_core.errors import SpecError
 from piper_core.specs.cluster import ClusterSpec
 from piper_core.specs.model import ModelSpec
@@ -40,28 +39,25 @@ from piper_core.specs.parallel import ParallelPlan
 PARTS = ("rest", "host", "elementwise")
 
 
-def _accelerator(cluster: ClusterSpec, **fields: Any) -> ClusterSpec:
-    return dataclasses.replace(cluster, accelerator=dataclasses.replace(cluster.accelerator, **fields))
-
-
 def split(model: ModelSpec, plan: ParallelPlan, cluster: ClusterSpec) -> dict[str, float]:
     """The predicted step of ``plan`` and its three parts (seconds; they add up to it)."""
     from piper_core.resource.predict import predict
 
     full = predict(model, cluster, plan).time.step
-    bare = _accelerator(cluster, **{f: 0.0 for f in FIELDS})
+    bare = with_accelerator(cluster, **{f: 0.0 for f in FIELDS})
     without_host = predict(model, bare, plan).time.step
-    rest = predict(model, _accelerator(bare, elementwise_gb_per_s=FAST), plan).time.step
+    rest = predict(model, with_accelerator(bare, elementwise_gb_per_s=FAST), plan).time.step
     return {"predicted": full, "host": full - without_host, "elementwise": without_host - rest, "rest": rest}
 
 
 def rows(paths: Sequence[Path]) -> list[dict[str, Any]]:
     """Every row of the recorded runs, re-predicted and split (:func:`split`), with its measured step."""
     from piper_core.validate.report import refitted_clusters, rows_from_json
+    from piper_core.validate.repeat import read_record
 
     out = []
     for path in paths:
-        data = json.loads(Path(path).read_text())
+        data = read_record(path)  # a clear error for a file that is not a full piper validate record
         recorded, _ = rows_from_json(data)
         clusters = refitted_clusters(data)
         for r in recorded:
@@ -72,6 +68,11 @@ def rows(paths: Sequence[Path]) -> list[dict[str, Any]]:
 
 def _error(r: dict[str, Any]) -> float:
     return r["predicted"] / r["measured"] - 1
+
+
+def _shares(rs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each part's median share of the prediction over ``rs``."""
+    return {p: statistics.median(r[p] / r["predicted"] for r in rs) for p in PARTS}
 
 
 def topology_figures(rs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -85,8 +86,7 @@ def topology_figures(rs: list[dict[str, Any]]) -> dict[str, Any]:
     errors = [_error(r) for r in rs]
     return {"rows": len(rs), "median_error": statistics.median(errors),
             "step_mape": statistics.mean(abs(e) for e in errors),
-            "shares": {p: statistics.median(r[p] / r["predicted"] for r in rs) for p in PARTS},
-            "scales": dict(zip(PARTS, (float(s) for s in scales))), "mape_with_scales": float(np.mean(np.abs(left)))}
+            "shares": _shares(rs), "scales": dict(zip(PARTS, (float(s) for s in scales))), "mape_with_scales": float(np.mean(np.abs(left)))}
 
 
 def figures(all_rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -107,7 +107,7 @@ def case_figures(all_rows: list[dict[str, Any]], topology: str) -> list[dict[str
         raise SpecError("--cases", topology, f"is not a topology of these runs ({', '.join(known)})",
                         "name one of them")
     out = [{"case": c, "runs": len(rs), "median_error": statistics.median(_error(r) for r in rs),
-            "shares": {p: statistics.median(r[p] / r["predicted"] for r in rs) for p in PARTS}}
+            "shares": _shares(rs)}
            for c, rs in by.items()]
     return sorted(out, key=lambda c: c["median_error"])
 

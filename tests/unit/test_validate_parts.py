@@ -55,6 +55,8 @@ def test_a_recorded_run_splits_into_parts_that_add_up_to_its_prediction(tmp_path
     data = json.loads(out.read_text())
     assert set(data["topologies"]) == {r["topology"] for r in split_rows} and len(data["rows"]) == len(split_rows)
     assert main([str(RUN), "--cases", "nowhere"]) == 2
+    assert main([str(tmp_path / "missing.json")]) == 2
+    assert "is not a readable piper validate --json record" in capsys.readouterr().err
 
 
 def test_a_gpu_preset_splits_too():
