@@ -28,6 +28,11 @@ Keys (the block ``piper plan --export-deepspeed`` writes loads unchanged; ``pipe
                                     # object inline, {"num_experts": E, "ep": N, "ranks": [[ids], ...]}
                                     # (docs/placement.md); its ep restricts the plan; the slots' weights
                                     # must be those experts' (builder.build_model(placement=...))
+      "migrate_every": null,        # N: every N optimizer steps, price moving experts to balance the
+                                    # tokens each rank's experts got since the last decision, and move
+                                    # them when the gain over migrate_horizon steps pays for the move
+                                    # (ep > 1, ZeRO 0, no PipelineModule; piper_deepspeed/live.py)
+      "migrate_horizon": null,      # the steps that gain is counted over (default: migrate_every)
       "routing": null,              # measured routing: a tokens-per-expert histogram file, or a list of
                                     # --piper-trace files (docs/routing.md); the scheduler prices each
                                     # MoE layer at its busiest rank under the placement
@@ -94,6 +99,8 @@ class PiperConfig(DeepSpeedConfigModel):
     defer_wgrad: bool = False
     placement: str | dict[str, Any] | None = None
     routing: str | list[str] | None = None
+    migrate_every: Annotated[int, Field(ge=1)] | None = None
+    migrate_horizon: Annotated[int, Field(ge=1)] | None = None
     memory_headroom: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     plan_only: bool = False
     trace: str | None = None
@@ -124,6 +131,9 @@ class PiperConfig(DeepSpeedConfigModel):
         if self.profile is not None and self.cluster is not None:
             raise SpecError("piper.profile", self.profile, f"and piper.cluster ({self.cluster!r}) are exclusive: a "
                             "profile holds its own calibrated cluster", "remove one of them")
+        if self.migrate_horizon is not None and self.migrate_every is None:
+            raise SpecError("piper.migrate_horizon", self.migrate_horizon, "is the horizon of the migration decisions "
+                            "that piper.migrate_every turns on", 'set "migrate_every": N too, or remove migrate_horizon')
         if not self.enabled:
             return
         if self.cluster is None and self.profile is None:
@@ -270,6 +280,10 @@ _RULES: dict[str, tuple[str, str]] = {
                   'write e.g. "placement": "placement.json" or {"num_experts": 4, "ep": 2, "ranks": [[1, 0], [3, 2]]}'),
     "routing": ("must be the path of a routing file or a list of --piper-trace files",
                 'write e.g. "routing": "routing.yaml" (docs/routing.md)'),
+    "migrate_every": ("must be an int >= 1 (optimizer steps between migration decisions) or null",
+                      'write e.g. "migrate_every": 50, or remove the key'),
+    "migrate_horizon": ("must be an int >= 1 (the steps a move must pay for itself over) or null",
+                        'write e.g. "migrate_horizon": 500, or remove the key'),
     "predicted": ("must be a mapping of numbers (informational, written by piper plan)", "remove the key"),
     "plan.recompute": ("must be one of none, selective, full", 'write e.g. "recompute": "none"'),
     "plan.mbs": ("is required and must be an int >= 1 (micro-batch size)", 'write e.g. "mbs": 1'),

@@ -423,6 +423,11 @@ def report(choice: PlanChoice, changes: list[Change], config: Mapping[str, Any],
         where = f"; experts placed as piper.placement says: {placed.describe()}" if placed is not None else ""
         lines.append(f"piper: {p.model.num_moe_layers} MoE layers with ep_size {plan.ep} run Piper's all-to-all, "
                      f"{how}{deferred}{where}")
+        every = (config.get(BLOCK) or {}).get("migrate_every")
+        if every:
+            horizon = (config.get(BLOCK) or {}).get("migrate_horizon") or every
+            lines.append(f"piper: expert migration: every {every} steps, experts move when the predicted gain over "
+                         f"{horizon} steps (on {p.cluster.name}) exceeds the move's cost")
     else:
         lines.append("piper: ep=1: no expert-parallel all-to-all; MoE layers stay DeepSpeed's")
     lines += [f"piper: note: {note}" for note in choice.notes]
@@ -490,6 +495,8 @@ def initialize(args: Any = None, model: torch.nn.Module = None, optimizer: Any =
         raise PlanOnly(choice)
     _check_model(model, choice.prediction.model, choice.plan, mpu)
     plan = choice.plan
+    if block.migrate_every is not None:
+        _check_migration(block, plan, pipeline, zero_stage(raw))
     placement = block.checked_placement(num_experts=choice.prediction.model.num_experts, ep=plan.ep) \
         if choice.prediction.model.is_moe else None
     if plan.ep > 1:
@@ -509,8 +516,31 @@ def initialize(args: Any = None, model: torch.nn.Module = None, optimizer: Any =
         # groups need every expert-parallel group to hold as many ranks on each node as on the others,
         # which flat exchanges do not, so those get the whole job as one "node".
         comm_topology = topology if plan.a2a == "hierarchical" else NodeTopology(nodes=(tuple(range(world)),))
-        attach_comm(result[0].module, comm_topology)
+        comm = attach_comm(result[0].module, comm_topology)
+        if block.migrate_every is not None and comm is not None:
+            from piper_core.runtime.live import LiveSettings
+            from piper_deepspeed.live import install
+
+            install(result[0], LiveSettings(every=block.migrate_every,
+                                            horizon=block.migrate_horizon or block.migrate_every,
+                                            model=choice.prediction.model, plan=plan,
+                                            cluster=choice.prediction.cluster, timeout=comm.timeout), placement)
     return result
+
+
+def _check_migration(block: PiperConfig, plan: ParallelPlan, pipeline: bool, stage: int) -> None:
+    """``migrate_every`` refused before DeepSpeed starts where it cannot run (piper_deepspeed/live.py)."""
+    if stage > 0:
+        raise SpecError("piper.migrate_every", block.migrate_every, f"moves each expert's optimizer state, which ZeRO "
+                        f"stage {stage} keeps in flat buffers partitioned over the data-parallel ranks",
+                        "set zero_optimization.stage 0, or remove migrate_every")
+    if plan.ep == 1:
+        raise SpecError("piper.migrate_every", block.migrate_every, "moves experts between expert-parallel ranks, "
+                        "and the plan has ep=1", 'remove migrate_every, or pin "plan": {"ep": 2, ...} or more')
+    if pipeline:
+        raise SpecError("piper.migrate_every", block.migrate_every, "needs the engine's step between two batches; "
+                        "DeepSpeed's pipeline engine steps the optimizer inside train_batch",
+                        "remove migrate_every, or train without PipelineModule")
 
 
 def _without_config(args: Any) -> Any:

@@ -167,6 +167,8 @@ class PiperMOELayer(MOELayer):
     piper_auto: AutoChunks | None = None  # this layer's chunk-count tuner (settings.tune), made with the comm
     piper_placement: ExpertPlacement | None = None
     piper_slot_of: torch.Tensor | None = None  # [E] physical slot of each logical expert (None: the default)
+    piper_count: bool = False  # sum the tokens the gate routes to each logical expert (take_routed_tokens)
+    piper_routed: torch.Tensor | None = None
 
     def configure(self, settings: A2ASettings, *, comm: A2AComm | None = None, tracer: Tracer | None = None,
                   name: str = "") -> None:
@@ -182,6 +184,13 @@ class PiperMOELayer(MOELayer):
             placement.check(num_experts=num_experts, ep=self.ep_size, key=where)
             slot_of = None if placement.is_default else torch.tensor(placement.slot_of, dtype=torch.long)
         self.piper_placement, self.piper_slot_of = placement, slot_of
+
+    def take_routed_tokens(self) -> torch.Tensor:
+        """Tokens the gate routed to each logical expert since the last call ([E], zeros if none; counting
+        is on with ``piper_count``, :mod:`piper_deepspeed.live`), and restart the count."""
+        routed = self.piper_routed
+        self.piper_routed = None
+        return routed if routed is not None else torch.zeros(self.num_local_experts * self.ep_size, dtype=torch.long)
 
     @classmethod
     def from_layer(cls, layer: MOELayer, settings: A2ASettings, *, name: str = "",
@@ -211,6 +220,9 @@ class PiperMOELayer(MOELayer):
         used = input[1] if len(input) > 1 else None
         self.l_aux, capacity, num_experts, indices, locations, gates, self.exp_counts = self.gate(
             tokens, used, True, False)
+        if self.piper_count:  # the gate's choices per logical expert, before the capacity drops them
+            counts = self.exp_counts.detach().to(torch.long)
+            self.piper_routed = counts if self.piper_routed is None else self.piper_routed + counts
         if self.piper_slot_of is not None:  # logical expert -> physical slot; dropped routes (-1) stay dropped
             slots = self.piper_slot_of.to(indices.device)[indices.long().clamp(min=0)].to(indices.dtype)
             indices = torch.where(indices >= 0, slots, indices)

@@ -20,24 +20,16 @@ for every parameter of that local expert, in one fixed order:
   data-parallel group), the whole states move, and each rank writes its new piece back
   (:func:`_unshard`, :func:`_reshard`). Its precision-aware variant is refused, by name.
 
-Every rank sends one byte buffer to each peer it gives experts to and receives one from each it takes
-from (point-to-point over the expert-parallel group, each wait bounded by ``timeout``; a failure is a
-:class:`~piper_core.runtime.timeouts.CollectiveError` naming the operation and the ranks), then
-writes what it received, and its own slot changes, into place (``copy_``: the parameters, views and
-state objects stay the same, so DDP's buckets and the optimizer's references stay valid). Finally
-each MoE layer's :class:`~piper_megatron.dispatcher.PiperTokenDispatcher` routes by the new
-placement (:meth:`~piper_megatron.dispatcher.PiperTokenDispatcher.set_placement`).
+The plan, the point-to-point exchange of one byte buffer per peer and the buffers kept between
+migrations are :mod:`piper_core.runtime.migrate`'s (shared with :mod:`piper_deepspeed.migrate`): what
+is written lands in place (``copy_``: the parameters, views and state objects stay the same, so DDP's
+buckets and the optimizer's references stay valid). Finally each MoE layer's
+:class:`~piper_megatron.dispatcher.PiperTokenDispatcher` routes by the new placement
+(:meth:`~piper_megatron.dispatcher.PiperTokenDispatcher.set_placement`).
 
-The send and receive buffers are kept between migrations, one per peer and direction, grown to the
-largest move so far (:func:`release_buffers` frees them): torch's CPU allocator hands blocks this
-large back to the operating system when they are freed, so fresh ones page-fault as they are
-written, which made a move of 32 MiB per rank take about twice as long (docs/migration.md, "Measured
-cost of a move"); CUDA's caching allocator keeps freed blocks in the same way. They hold, between
-migrations, the bytes of the largest move's sends and receives.
-
-Checkpoints hold physical slots under Megatron's expert names: :func:`write_placements` keeps the
-placement of every layer beside them (``piper_placement.json``, the format of ``piper placement
---out``) and :func:`apply_placements` sets it on a freshly built model before its state is loaded.
+Checkpoints hold physical slots under Megatron's expert names: ``write_placements`` keeps the
+placement of every layer beside them (``piper_placement.json``, :mod:`piper_core.runtime.migrate`) and
+:func:`apply_placements` sets it on a freshly built model before its state is loaded.
 
 Experts must be ``SequentialMLP`` (``moe_grouped_gemm`` off, as on CPU ranks): the grouped variants
 hold all local experts in shared tensors, which this does not split (refused, by name).
@@ -45,39 +37,30 @@ hold all local experts in shared tensors, which this does not split (refused, by
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from piper_core.errors import SpecError
+from piper_core.runtime import migrate as move
 from piper_core.runtime import timeouts
-from piper_core.runtime.placement import ExpertPlacement, LayerPlacements
-from piper_core.runtime.placement import read_placements as runtime_read_placements
-from piper_core.scheduler.migration import MigrationPlan, plan_migration
+from piper_core.runtime.migrate import (  # noqa: F401 (re-exported: this module's API since issue 17)
+    PLACEMENT_NAME,
+    MigrationReport,
+    placements_json,
+    read_placements,
+    write_placements,
+)
+from piper_core.runtime.placement import ExpertPlacement
 from piper_megatron.experts import local_experts, moe_layers
 
-PLACEMENT_NAME = "piper_placement.json"
 Resolver = Callable[[torch.nn.Parameter], dict[str, torch.Tensor]]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MigrationReport:
-    """What one rank did: the plan, the bytes it sent and received, and the exchange's seconds
-    (packing, the point-to-point exchange and unpacking, between two barriers of the EP group)."""
-
-    plan: MigrationPlan
-    sent_bytes: int
-    received_bytes: int
-    seconds: float
-    placements: dict[int, ExpertPlacement]
-    phases: dict[str, float]  # this rank's seconds packing, exchanging (posting to the last wait), unpacking
+BUFFERS = move.MoveBuffers()
+"""This process's exchange buffers, kept between migrations (:class:`piper_core.runtime.migrate.MoveBuffers`)."""
 
 
 # ---- the model's MoE layers ----------------------------------------------------------------------
@@ -269,51 +252,9 @@ def _tensors(expert: Any, resolve: Resolver | None) -> list[torch.Tensor]:
     return out
 
 
-_KEPT: dict[tuple[str, int], torch.Tensor] = {}
-"""The exchange's byte buffers, kept between migrations: (direction, peer's global rank) -> buffer."""
-
-
-def _kept_buffer(direction: str, peer: int, nbytes: int) -> torch.Tensor:
-    """``nbytes`` of the buffer kept for ``direction`` ("send", "receive") with global rank ``peer``,
-    grown (reallocated) when a move needs more (module docstring)."""
-    kept = _KEPT.get((direction, peer))
-    if kept is None or kept.numel() < nbytes:
-        kept = _KEPT[(direction, peer)] = torch.empty(nbytes, dtype=torch.uint8)
-    return kept[:nbytes]
-
-
 def release_buffers() -> int:
     """Free the exchange buffers kept between migrations; the bytes they held."""
-    held = sum(b.numel() for b in _KEPT.values())
-    _KEPT.clear()
-    return held
-
-
-@torch.no_grad()
-def _pack(tensors: list[torch.Tensor], buffer: torch.Tensor | None = None) -> torch.Tensor:
-    """One byte buffer holding ``tensors`` back to back (typed copies: a uint8 ``cat`` runs byte-wise),
-    in ``buffer`` (its first bytes) when given, else in a new one."""
-    buffer = torch.empty(_nbytes(tensors), dtype=torch.uint8) if buffer is None else buffer[:_nbytes(tensors)]
-    offset = 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        buffer[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
-        offset += n
-    return buffer
-
-
-def _nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-@torch.no_grad()
-def _unpack(buffer: torch.Tensor, tensors: list[torch.Tensor]) -> int:
-    offset = 0
-    for t in tensors:
-        n = t.numel() * t.element_size()
-        t.copy_(buffer[offset:offset + n].view(t.dtype).view(t.shape))
-        offset += n
-    return offset
+    return BUFFERS.release()
 
 
 # ---- the move ------------------------------------------------------------------------------------
@@ -325,20 +266,7 @@ def migrate(chunks: list[torch.nn.Module], optimizer: Any, target: ExpertPlaceme
     on every rank of the job between two steps (after ``optimizer.step()``). ``move_optimizer=False``
     leaves the optimizer state in the slots (wrong for Adam: the tests' control)."""
     layers = moe_layers(chunks)
-    current = current_placements(chunks)
-    wanted = {n: target for n in layers} if isinstance(target, ExpertPlacement) else dict(target)
-    unknown = sorted(set(wanted) - set(layers))
-    if unknown:
-        raise SpecError("placement layers", unknown, f"are not MoE layers of this rank (it holds {sorted(layers)})",
-                        "give placements for this pipeline stage's MoE layers")
-    first = next(iter(current.values()), None)
-    if first is None:
-        raise SpecError("model", "no MoE layers", "has no experts to migrate", "migrate a Mixture-of-Experts model")
-    for n, p in wanted.items():
-        p.check(num_experts=first.num_experts, ep=first.ep, key=f"placement of layer {n}")
-    plan = plan_migration({n: p.ranks for n, p in current.items()},
-                          {n: wanted.get(n, current[n]).ranks for n in layers},
-                          num_experts=first.num_experts, ep=first.ep)
+    plan, placements = move.plan_moves(current_placements(chunks), target)
     number0 = next(iter(layers))
     group = piper_dispatcher(layers[number0], number0).ep_group
     ranks = tuple(dist.get_process_group_ranks(group))
@@ -350,111 +278,27 @@ def migrate(chunks: list[torch.nn.Module], optimizer: Any, target: ExpertPlaceme
             params = [p for layer in layers.values() for e in local_experts(layer, layer.layer_number)
                       for p in e.parameters()]
             resolve = optimizer_state(optimizer, params)
-    _barrier(group, ranks, me, timeout, "before")
+    move.barrier(group, ranks, me, timeout, "before")
     start = time.perf_counter()
     if sharded:  # the distributed optimizer over several expert data-parallel ranks: whole states first
         involved = [p for m in plan.moves if m.src_rank == me
                     for p in local_experts(layers[m.layer], m.layer)[m.src_local].parameters()]
         full = _unshard(sharded, involved, timeout)
         resolve = lambda p: {k: t for k, t in sorted(full.get(id(p), {}).items())}  # noqa: E731
-    sent, received, phases = _exchange(plan, layers, resolve, group, ranks, me, timeout)
+    sent, received, phases = move.exchange(
+        plan, lambda layer, local: _tensors(local_experts(layers[layer], layer)[local], resolve),
+        group, ranks, me, timeout, BUFFERS)
     if sharded:
         _reshard(sharded, full, involved)
-    _barrier(group, ranks, me, timeout, "after")
+    move.barrier(group, ranks, me, timeout, "after")
     seconds = time.perf_counter() - start
-    placements = {n: ExpertPlacement(num_experts=first.num_experts, ep=first.ep, ranks=dict(plan.target)[n])
-                  for n in layers}
     for n, p in placements.items():
         piper_dispatcher(layers[n], n).set_placement(None if p.is_default else p)
     return MigrationReport(plan=plan, sent_bytes=sent, received_bytes=received, seconds=seconds,
                            placements=placements, phases=phases)
 
 
-def _exchange(plan: MigrationPlan, layers: dict[int, Any], resolve: Resolver | None, group: Any,
-              ranks: tuple[int, ...], me: int, timeout: timedelta) -> tuple[int, int, dict[str, float]]:
-    """Pack, exchange point-to-point, unpack (module docstring); (bytes sent, bytes received, the
-    seconds of each phase)."""
-    t0 = time.perf_counter()
-    def tensors(layer: int, local: int) -> list[torch.Tensor]:
-        return _tensors(local_experts(layers[layer], layer)[local], resolve)
-
-    outgoing: dict[int, list[torch.Tensor]] = {}
-    incoming: dict[int, list[list[torch.Tensor]]] = {}
-    local: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
-    for m in plan.moves:  # sorted by (layer, expert): the same order on both ends of a pair
-        if m.src_rank == me and m.dst_rank == me:
-            local.append((_pack(tensors(m.layer, m.src_local)), tensors(m.layer, m.dst_local)))
-        elif m.src_rank == me:
-            outgoing.setdefault(m.dst_rank, []).extend(tensors(m.layer, m.src_local))
-        elif m.dst_rank == me:
-            incoming.setdefault(m.src_rank, []).append(tensors(m.layer, m.dst_local))
-    buffers = {peer: _pack(parts, _kept_buffer("send", ranks[peer], _nbytes(parts))) for peer, parts in outgoing.items()}
-    inbox = {peer: _kept_buffer("receive", ranks[peer], sum(_nbytes(ts) for ts in parts))
-             for peer, parts in incoming.items()}
-    t1 = time.perf_counter()
-    works = []
-    for peer, buf in inbox.items():
-        what = _op("receive", ranks, me, peer, buf.numel())
-        works.append((timeouts.launch(what, lambda b=buf, p=peer: dist.irecv(b, src=ranks[p], group=group)), what))
-    for peer, buf in buffers.items():
-        what = _op("send", ranks, me, peer, buf.numel())
-        works.append((timeouts.launch(what, lambda b=buf, p=peer: dist.isend(b, dst=ranks[p], group=group)), what))
-    for work, what in works:
-        timeouts.wait(work, what, timeout)
-    t2 = time.perf_counter()
-    for packed, dst in local:
-        _unpack(packed, dst)
-    for peer, parts in incoming.items():
-        offset = 0
-        for ts in parts:
-            offset += _unpack(inbox[peer][offset:], ts)
-    phases = {"pack": t1 - t0, "exchange": t2 - t1, "unpack": time.perf_counter() - t2}
-    return sum(b.numel() for b in buffers.values()), sum(b.numel() for b in inbox.values()), phases
-
-
-def _barrier(group: Any, ranks: tuple[int, ...], me: int, timeout: timedelta, when: str) -> None:
-    """A barrier of the expert-parallel group, bounded by ``timeout`` (every rank must migrate)."""
-    what = timeouts.OpName(op=f"expert migration barrier ({when} the exchange; every rank of the expert-parallel "
-                           "group must call migrate)", stage="barrier", ranks=ranks, rank=ranks[me])
-    timeouts.wait(timeouts.launch(what, lambda: dist.barrier(group=group, async_op=True)), what, timeout)
-
-
-def _op(direction: str, ranks: tuple[int, ...], me: int, peer: int, nbytes: int) -> timeouts.OpName:
-    other = "to" if direction == "send" else "from"
-    return timeouts.OpName(op=f"expert migration {direction} ({nbytes:,} bytes {other} expert-parallel rank {peer}, "
-                           f"global rank {ranks[peer]})", stage="point-to-point", ranks=(ranks[me], ranks[peer]),
-                           rank=ranks[me])
-
-
 # ---- checkpoints ---------------------------------------------------------------------------------
-
-def placements_json(placements: Mapping[int, ExpertPlacement]) -> dict[str, Any]:
-    """``piper placement --out``'s format: num_experts, ep, layers {layer_number: each rank's experts}."""
-    first = next(iter(placements.values()))
-    return LayerPlacements(num_experts=first.num_experts, ep=first.ep, layers=dict(placements)).to_json()
-
-
-def write_placements(directory: Path | str, placements: Mapping[int, ExpertPlacement]) -> Path:
-    """Write ``directory/piper_placement.json`` (the placement the checkpoint's slots hold)."""
-    path = Path(directory) / PLACEMENT_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(placements_json(placements)) + "\n")
-    return path
-
-
-def read_placements(path: Path | str) -> dict[int, ExpertPlacement]:
-    """The placements :func:`write_placements` (or ``piper placement --out``) wrote, by layer_number
-    (a directory: its piper_placement.json; SpecError naming the file otherwise)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / PLACEMENT_NAME
-    placements = runtime_read_placements(path)
-    if not isinstance(placements, LayerPlacements):
-        raise SpecError("placement", str(path), "holds one placement for every layer (ranks); a checkpoint's "
-                        "placement file lists each MoE layer (layers)", "pass the piper_placement.json saved with "
-                        "the checkpoint")
-    return dict(placements.layers)
-
 
 def apply_placements(chunks: list[torch.nn.Module], placements: Mapping[int, ExpertPlacement]) -> None:
     """Route each MoE layer by its placement without moving anything: for a model whose slots already

@@ -3,7 +3,8 @@ dispatch -> experts -> combine of a MoE layer. The only part of ``piper_core`` t
 
 Works on any ``torch.distributed`` backend (gloo on CPU, NCCL on GPU): every stage is an
 ``all_to_all_single`` on a sub-group or a set of ``isend``/``irecv``, posted with ``async_op=True``.
-Nothing is read from the environment and nothing is kept in module state.
+Nothing is read from the environment and nothing is kept in module state (migration's kept buffers
+are an object the adapter owns).
 
 API (stable; the benchmarks and the adapters build on it)::
 
@@ -42,6 +43,11 @@ API (stable; the benchmarks and the adapters build on it)::
         # .chosen (None while measuring), .medians_s, .reset()
 
     CollectiveError   # a stage failed or timed out; names the exchange, the stage, the ranks
+
+    # moving experts between ranks between two steps (submodules; the adapters say what moves)
+    .migrate: plan_moves(current, target), exchange(plan, tensors_of, group, ranks, me, timeout, buffers),
+              MoveBuffers (the adapter's, kept between moves), write_placements / read_placements
+    .live:    the migration decision every N steps (LiveSettings, routed_tokens, price, Outcome)
 
 Shapes: ``x`` is ``[rows, ...]`` (any trailing dims and dtype); ``counts[s][d]`` are rows (tokens),
 not bytes, indexed by member (rank in the parent group = position in its sorted global ranks).

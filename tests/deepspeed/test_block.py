@@ -54,7 +54,8 @@ CONFIG = {"train_batch_size": 8, "zero_optimization": {"stage": 0}}
 
 @pytest.mark.parametrize("block, match", [
     (OK | {"chunk": 4}, r"piper\.chunk=4: is not a key of the piper block; did you mean 'chunks'\? valid keys: "
-                        r"enabled, cluster, profile, a2a, chunks, defer_wgrad, placement, routing, memory_headroom, plan_only, "
+                        r"enabled, cluster, profile, a2a, chunks, defer_wgrad, placement, routing, migrate_every, migrate_horizon, "
+                        r"memory_headroom, plan_only, "
                         r"trace, model, plan"),
     (OK | {"a2a": "ring"}, r"piper\.a2a='ring': must be one of auto, flat, hierarchical; write e\.g\. \"a2a\": "
                            r"\"hierarchical\" \(pipeline it with \"chunks\"\)$"),
