@@ -11,7 +11,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider --durations=10
 # disturb their timings
 REALTIME := $(if $(filter 0,$(shell id -u)),--realtime,)
 
-.PHONY: install run calibrate validate validate-fp32 validate-fp32-repeat validate-scheduler test test-unit test-browser browser test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e bench-placement bench-migrate-cost clean
+.PHONY: install run calibrate validate validate-fp32 validate-fp32-repeat validate-scheduler test test-unit test-browser browser test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed bench bench-alltoall bench-alltoall-smoke bench-e2e bench-placement bench-migrate-cost bench-migrate-cost-nodes clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -132,6 +132,18 @@ bench-migrate-cost: install
 	  --base cpu-local --quick --precision fp32 $(REALTIME)
 	$(PY) -m piper_megatron.migrate_cost --ranks 2 --experts 1,2,4 --repeats 5 $(REALTIME) \
 	  --profile $(MIGRATE_DIR)/profiles/local-2-fp32-$(RUN).yaml --out $(MIGRATE_DIR)/move-cost-$(RUN).json --check 30
+
+# The same across the emulated inter-node link (root): 2 ranks on 2 emulated nodes, 1000 Mbit/s between
+# them, a fresh fp32 calibration of that cluster (the judged profile: its inter-node level prices the
+# move), then the same moves with --nodes 2. RUN names the run (profiles/emu-2x1-fp32-<RUN>.yaml,
+# move-cost-nodes-<RUN>.json). A few minutes on 2 cores.
+bench-migrate-cost-nodes: install
+	rm -rf $(MIGRATE_DIR)/profiles/emu-2x1-fp32-$(RUN).cache
+	$(PY) -m piper_core.cli.main calibrate --out $(MIGRATE_DIR)/profiles/emu-2x1-fp32-$(RUN).yaml --emulate 2x1 \
+	  --inter-node-mbit 1000 --base cpu-local --quick --precision fp32 $(REALTIME)
+	$(PY) -m piper_megatron.migrate_cost --ranks 2 --nodes 2 --inter-node-mbit 1000 --experts 1,2,4 --repeats 5 \
+	  $(REALTIME) --profile $(MIGRATE_DIR)/profiles/emu-2x1-fp32-$(RUN).yaml \
+	  --out $(MIGRATE_DIR)/move-cost-nodes-$(RUN).json --check 30
 
 # Every tier runs on its own so that a tier collecting no test fails the run (pytest exit 5).
 test: install test-unit test-browser test-runtime test-emulate test-megatron test-megatron-lm test-deepspeed

@@ -12,6 +12,11 @@ median over the repeats; the prediction is :func:`piper_core.scheduler.migration
 same move on ``--cluster`` (default ``cpu-local``) or a calibrated ``--profile``. Prints one row per
 ``k``: bytes per expert, measured and predicted seconds, and the error. Timings on a shared machine
 are noisy: run it on a quiet one.
+
+``--nodes N`` (root) spreads the ranks over ``N`` emulated nodes (network namespaces, links shaped to
+``--inter-node-mbit``, :mod:`piper_core.emulate`), so that rank 0's experts cross the inter-node link;
+predict it with a profile calibrated on the same emulated cluster (whose ``gpus_per_node`` puts ranks
+0 and 1 on different nodes).
 """
 
 from __future__ import annotations
@@ -115,10 +120,12 @@ def rank_main(info: Any, job: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure(*, ranks: int, experts: list[int], hidden: int, ffn: int, num_experts: int, precision: str,
-            repeats: int, cluster: Any, timeout_s: float = 600.0, realtime: bool = False) -> dict[str, Any]:
+            repeats: int, cluster: Any, timeout_s: float = 600.0, realtime: bool = False, nodes: int = 1,
+            inter_node_mbit: float | None = None) -> dict[str, Any]:
     """Measured and predicted seconds per ``k`` (module docstring); ``realtime``: SCHED_FIFO ranks, as
-    the project's other measured runs take them as root."""
-    from piper_core.emulate import run_local
+    the project's other measured runs take them as root; ``nodes`` > 1: the ranks on that many emulated
+    nodes, ``inter_node_mbit`` between them."""
+    from piper_core.emulate import run_emulated, run_local
     from piper_core.errors import SpecError
     from piper_core.scheduler.migration import expert_state_bytes, move_time, plan_migration
 
@@ -127,9 +134,19 @@ def measure(*, ranks: int, experts: list[int], hidden: int, ffn: int, num_expert
     if ranks < 2 or num_experts % ranks or any(not 1 <= k <= per for k in experts):
         raise SpecError("--experts", experts, f"each k must be in 1 .. num_experts / ranks ({per}) on >= 2 ranks",
                         f"choose k <= {per}, or more --num-experts")
+    if nodes < 1 or ranks % nodes:
+        raise SpecError("--nodes", nodes, f"must divide --ranks ({ranks}): every emulated node holds as many ranks",
+                        f"use --nodes {ranks} (one rank per node) or 1")
+    if nodes > 1 and cluster.gpus_per_node != ranks // nodes:
+        raise SpecError("--profile", cluster.name, f"has {cluster.gpus_per_node} ranks per node; the emulated "
+                        f"cluster has {ranks // nodes}, so the move would be priced on another link",
+                        "predict with a profile of the same emulated cluster (piper calibrate --emulate NODESxRANKS "
+                        "--inter-node-mbit R)")
     job = {"experts": experts, "hidden": hidden, "ffn": ffn, "num_experts": num_experts, "precision": precision,
            "repeats": repeats}
-    reports = run_local(ranks, "piper_megatron.migrate_cost:rank_main", [job], timeout_s=timeout_s, realtime=realtime)
+    target = "piper_megatron.migrate_cost:rank_main"
+    reports = run_local(ranks, target, [job], timeout_s=timeout_s, realtime=realtime) if nodes == 1 else \
+        run_emulated(nodes, ranks // nodes, inter_node_mbit, target, [job], timeout_s=timeout_s, realtime=realtime)
     rows = []
     for i, k in enumerate(experts):
         move = plan_migration({}, {1: swap_placement(num_experts, ranks, k)}, num_experts=num_experts, ep=ranks)
@@ -146,7 +163,8 @@ def measure(*, ranks: int, experts: list[int], hidden: int, ffn: int, num_expert
                      # the first move of each k grows the kept buffers (migrate.py): not in the median
                      "first_phases_s": {name: max(r["rows"][i]["phases"][0][name] for r in reports)
                                         for name in ("pack", "exchange", "unpack")}})
-    return {"model": model.name, "ranks": ranks, "precision": precision, "cluster": cluster.name,
+    return {"model": model.name, "ranks": ranks, "nodes": nodes, "inter_node_mbit": inter_node_mbit if nodes > 1 else None,
+            "precision": precision, "cluster": cluster.name,
             "piper_core": reports[0]["piper_core"], "rows": rows}
 
 
@@ -175,6 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m piper_megatron.migrate_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--experts", default="1,2,4", help="k values: experts swapped each way (default 1,2,4)")
+    p.add_argument("--nodes", type=int, default=1, help="emulated nodes the ranks are spread over (root; default 1: "
+                   "local ranks)")
+    p.add_argument("--inter-node-mbit", type=float, default=1000.0, help="the emulated link between nodes (--nodes > 1)")
     p.add_argument("--num-experts", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--ffn", type=int, default=2048, help="expert FFN hidden size")
@@ -207,11 +228,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.realtime:
             from piper_core.emulate.launch import check_realtime
             check_realtime()
+        if a.nodes > 1:
+            from piper_core.emulate import emulation_available
+            why = emulation_available()
+            if why is not None:
+                raise SpecError("--nodes", a.nodes, f"needs an emulated cluster, which this machine cannot build: {why}",
+                                "run as root on Linux with iproute2, or use --nodes 1")
         # what the prediction came from and the code that measured, taken before the run
         source = {"commit": commit_state(), "profile": profile_record(Path(a.profile)) if a.profile else None,
                   "command": "python -m piper_megatron.migrate_cost " + " ".join(sys.argv[1:] if argv is None else argv)}
         out = measure(ranks=a.ranks, experts=experts, hidden=a.hidden, ffn=a.ffn, num_experts=a.num_experts,
-                      precision=a.precision, repeats=a.repeats, cluster=cluster, realtime=a.realtime)
+                      precision=a.precision, repeats=a.repeats, cluster=cluster, realtime=a.realtime, nodes=a.nodes,
+                      inter_node_mbit=a.inter_node_mbit)
     except (SpecError, ValueError) as exc:
         print(f"migrate_cost: error: {exc}", file=sys.stderr)
         return 2
@@ -225,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.json:
         print(json.dumps(out, indent=1))
         return 0 if out.get("check", {}).get("met", True) else 1
-    print(f"expert migration on {out['ranks']} CPU ranks, {out['model']} ({out['precision']}), predicted on "
+    where = f" on {out['nodes']} emulated nodes ({out['inter_node_mbit']:g} Mbit/s)" if out["nodes"] > 1 else ""
+    print(f"expert migration on {out['ranks']} CPU ranks{where}, {out['model']} ({out['precision']}), predicted on "
           f"{out['cluster']}; piper_core from {out['piper_core']}")
     print(f"{'k':>3} {'MiB/expert':>11} {'MiB sent/rank':>14} {'measured s':>11} {'predicted s':>12} {'error':>8}"
           "   median per rank: pack / exchange / unpack s")

@@ -247,3 +247,19 @@ def test_the_recorded_move_costs_are_predicted_within_the_issues_limit():
             predicted = move_time(move, model, plan, cluster).seconds
             assert predicted == pytest.approx(row["predicted_s"], rel=1e-9), (path.name, row["k"])
             assert abs(predicted / row["measured_s"] - 1) <= 0.30, (path.name, row["k"], predicted, row["measured_s"])
+
+
+@pytest.mark.parametrize("nodes, cluster, match", [
+    (3, "cpu-local", r"^--nodes=3: must divide --ranks \(2\)"),
+    (2, "cpu-local", r"^--profile='cpu-local': has \d+ ranks per node; the emulated cluster has 1, so the move would "
+                     r"be priced on another link; predict with a profile of the same emulated cluster"),
+])
+def test_migrate_cost_refuses_nodes_it_cannot_price(nodes, cluster, match):
+    """Checked before any rank starts (``--nodes``: the move across emulated nodes)."""
+    from piper_core.errors import SpecError
+    from piper_core.presets import load_cluster
+    from piper_megatron.migrate_cost import measure
+
+    with pytest.raises(SpecError, match=match):
+        measure(ranks=2, experts=[1], hidden=64, ffn=128, num_experts=4, precision="fp32", repeats=1,
+                cluster=load_cluster(cluster), nodes=nodes)
