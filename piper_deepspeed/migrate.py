@@ -137,7 +137,8 @@ def migrate(model: Any, optimizer: Any, target: ExpertPlacement | Mapping[int, E
         group, ranks, me, timeout, BUFFERS)
     move.barrier(group, ranks, me, timeout, "after")
     seconds = time.perf_counter() - start
-    apply_placements(model, placements, numbers)
+    for n, p in placements.items():  # every layer of ``layers``, by construction: route by it
+        layers[n].place(None if p.is_default else p)
     return MigrationReport(plan=plan, sent_bytes=sent, received_bytes=received, seconds=seconds,
                            placements=placements, phases=phases)
 

@@ -85,8 +85,8 @@ def plan_moves(current: Mapping[int, ExpertPlacement],
     plan = plan_migration({n: p.ranks for n, p in current.items()},
                           {n: wanted.get(n, current[n]).ranks for n in current},
                           num_experts=first.num_experts, ep=first.ep)
-    after = {n: ExpertPlacement(num_experts=first.num_experts, ep=first.ep, ranks=dict(plan.target)[n])
-             for n in current}
+    target_ranks = dict(plan.target)
+    after = {n: ExpertPlacement(num_experts=first.num_experts, ep=first.ep, ranks=target_ranks[n]) for n in current}
     return plan, after
 
 

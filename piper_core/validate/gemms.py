@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cases = {c.name: c for c in load_suite(a.suite).cases}
         if a.case not in cases:
             raise SpecError("case", a.case, f"is not a case of suite {a.suite}", f"use one of {', '.join(sorted(cases))}")
-        if cases[a.case].plan.gpus > 1 and getattr(cases[a.case], "nodes", 1) > 1:
+        if cases[a.case].nodes > 1:
             raise SpecError("case", a.case, "runs on emulated nodes; this check trains local ranks",
                             "pick a local case (2r-..., 4r-..., ds-...)")
         cluster = load_cluster(a.profile)
