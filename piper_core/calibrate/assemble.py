@@ -56,6 +56,7 @@ def reduce_outcomes(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         kind = o.name.split("-")[0]
         if o.name == "gemm":
             out["gemm"] = _gemm_medians(o.results)
+            out["gemm_operands"] = _gemm_operands(o.results[0].get("gemm_pool_mib", 0))
         elif o.name == "memory":
             seconds = statistics.median(r["seconds"] for r in o.results)
             out["memory"] = {"bytes": o.results[0]["bytes"], "seconds": seconds,
@@ -71,6 +72,13 @@ def reduce_outcomes(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         else:
             out[o.name] = {"ranks": list(o.results)}  # e.g. the host-overhead probe: kept as returned
     return out
+
+
+def _gemm_operands(pool_mib: int) -> dict[str, Any]:
+    """How the sweep fed its GEMMs (:func:`piper_core.calibrate.bench.operand_pool`), for the profile's reader."""
+    if pool_mib:
+        return {"pool_mib": pool_mib, "timed": f"each call on the next operand pair of a {pool_mib} MiB pool (out of cache)"}
+    return {"pool_mib": 0, "timed": "one operand pair repeated (in cache; profiles measured before 2026-12-08)"}
 
 
 def _gemm_medians(results: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, float]]]:
@@ -324,6 +332,7 @@ def fit_accelerator(benchmarks: dict[str, Any], base: AcceleratorSpec,
         report["elementwise"] = {"gb_per_s": dict(elementwise), "fitted": fields["elementwise_gb_per_s"]}
     acc = dataclasses.replace(base, **fields)
     report["gemm"] = _gemm_report(g, acc, gemm, precision)
+    report["gemm"]["operands"] = benchmarks.get("gemm_operands", _gemm_operands(0))["timed"]
     return acc, report
 
 

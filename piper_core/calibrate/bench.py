@@ -11,11 +11,13 @@ timeout and is waited on with that timeout: a missing peer raises
 Settings (one JSON mapping, built by :mod:`piper_core.calibrate.steps`): ``shapes`` (GEMMs per
 dtype), ``copy_mib``, ``sizes`` (bytes per rank), ``scope`` (all | intra | inter), ``budget_s``
 (time per measured point), ``max_reps``, ``stop_s`` (a point slower than this ends the sweep),
-``timeout_s`` (each collective's deadline), ``algorithm`` (all-to-all: flat | hierarchical).
+``timeout_s`` (each collective's deadline), ``algorithm`` (all-to-all: flat | hierarchical),
+``pool_mib`` (GEMMs: the operand pool each call takes its next pair from, :func:`operand_pool`).
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -73,18 +75,54 @@ def _barrier(group: dist.ProcessGroup | None, what: str, ranks: tuple[int, ...],
 
 
 def gemm(info: RankInfo, s: dict[str, Any]) -> dict[str, Any]:
-    """``{dtype: [[m, n, k, median seconds], ...]}``: one ``[m, k] x [k, n]`` matmul per call."""
+    """``{dtype: [[m, n, k, median seconds], ...]}``: one ``[m, k] x [k, n]`` matmul per call, each
+    call on the next operand pair of :func:`operand_pool` (``s["pool_mib"]``; absent or 0: the same
+    pair every call, operands in cache, as profiles before 2026-12-08 were measured)."""
     ranks = tuple(range(info.world_size))
     out: dict[str, list[list[float]]] = {}
     for dtype, shapes in s["shapes"].items():
         rows = []
+        mib = s.get("pool_mib", 0)
+        pool = torch.randn(mib * 2**20 // DTYPES[dtype].itemsize).to(DTYPES[dtype]) if mib else None
+        cursor = 0  # elements of the pool read so far: a shape starts where the last one stopped
         for m, n, k in shapes:
-            a = torch.randn(m, k).to(DTYPES[dtype])
-            b = torch.randn(k, n).to(DTYPES[dtype])
+            pairs = operand_pool(pool, m, n, k, DTYPES[dtype])
+            pair_size = m * k + k * n
+            turn = itertools.count(cursor // pair_size)
             _barrier(None, f"before GEMM {dtype} {m}x{n}x{k}", ranks, s["timeout_s"])
-            rows.append([m, n, k, _median_time(lambda: torch.mm(a, b), s["budget_s"], s["max_reps"])])
+            rows.append([m, n, k, _median_time(lambda: torch.mm(*pairs[next(turn) % len(pairs)]),
+                                               s["budget_s"], s["max_reps"])])
+            cursor = next(turn) * pair_size
         out[dtype] = rows
-    return {"gemm": out}
+    return {"gemm": out, "gemm_pool_mib": s.get("pool_mib", 0)}
+
+
+def operand_pool(pool: torch.Tensor | None, m: int, n: int, k: int, dtype: torch.dtype,
+                 batch: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Operand pairs (``[batch,] m x k`` and ``k x n``) to rotate through, one per call.
+
+    ``pool`` None: one fresh pair, so every call finds its operands in cache. Else as many disjoint
+    pairs as fit in ``pool`` (views of it; one fresh pair where even one does not fit: operands that
+    large are out of cache anyway), so a call reads operands that the calls before it have pushed
+    out of the cache, as a
+    training step's GEMMs do: between two uses of a weight or an activation a step touches many
+    MiB. Timing one GEMM repeated on the same tensors prices the step's GEMMs too fast -- on this
+    host 21.3 against 52.2 ms per step, and a 64 MiB pool times the same products at 30.0 ms
+    (docs/validation.md, "Diagnosis"); on a GPU the same holds for its L2 (50 MiB on an H100),
+    which is why GEMM benchmarks there flush it between calls."""
+    shape_a, shape_b = ((batch, m, k), (batch, k, n)) if batch > 1 else ((m, k), (k, n))
+    size_a, size_b = batch * m * k, batch * k * n
+    if pool is None:
+        return [(torch.randn(shape_a).to(dtype), torch.randn(shape_b).to(dtype))]
+    pool = pool.to(dtype)
+    count = pool.numel() // (size_a + size_b)
+    if count == 0:
+        return [(torch.randn(shape_a).to(dtype), torch.randn(shape_b).to(dtype))]
+    pairs = []
+    for i in range(count):
+        start = i * (size_a + size_b)
+        pairs.append((pool[start:start + size_a].view(shape_a), pool[start + size_a:start + size_a + size_b].view(shape_b)))
+    return pairs
 
 
 def memory(info: RankInfo, s: dict[str, Any]) -> dict[str, Any]:

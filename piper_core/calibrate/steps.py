@@ -113,6 +113,11 @@ def _gemm_shapes(quick: bool) -> dict[str, list[list[int]]]:
 
 
 FRAMEWORKS = ("megatron", "deepspeed")
+# The GEMM sweep's operand pool (:func:`piper_core.calibrate.bench.operand_pool`): every call reads
+# operands out of cache, as a training step's GEMMs do. Larger than the caches a GEMM sees here (the
+# time steps up between an 8 and a 64 MiB pool on the development host, docs/validation.md) and than
+# a GPU's L2 (50 MiB on an H100); at most 1 GiB over 4 ranks.
+GEMM_POOL_MIB = 256
 
 
 def plan_steps(topology: Topology, *, quick: bool, timeout_s: float, overhead_probe: bool,
@@ -130,8 +135,8 @@ def plan_steps(topology: Topology, *, quick: bool, timeout_s: float, overhead_pr
                    "budget_s": 0.1 if quick else 0.4}
     if quick:
         coll["max_reps"] = 9
-    steps = [Step(name="gemm", target=BENCH_TARGET, args=("gemm", base | {"shapes": gemm_shapes(quick, precision)}),
-                  weight=3),
+    steps = [Step(name="gemm", target=BENCH_TARGET,
+                  args=("gemm", base | {"shapes": gemm_shapes(quick, precision), "pool_mib": GEMM_POOL_MIB}), weight=3),
              Step(name="memory", target=BENCH_TARGET, args=("memory", base | {"copy_mib": 32 if quick else 128} | dtype))]
     if topology.world_size > 1:
         # with one rank per node the intra-node groups are single ranks and "inter" is the whole job

@@ -209,6 +209,7 @@ def summarize(result: Calibration, options: CalibrateOptions) -> dict[str, Any]:
         "accelerator": {f: {"value": getattr(acc, f), "base": getattr(base.accelerator, f)}
                         for f in ACCELERATOR_FIELDS},
         "links": fits["links"]["levels"], "reduce_scatter": scatter, "quality": quality, "overheads": fits["overheads"]["source"],
+        "gemm_operands": fits["gemm"].get("operands"),
         "steps": [{"name": o.name, "status": o.status, "cached": o.cached, "wall_s": round(o.seconds, 2),
                    "error": o.error} for o in result.outcomes],
         "failures": cal["failures"],

@@ -7,8 +7,9 @@ groups rank 0's matrix products (``aten::mm``, ``addmm``, ``bmm``, ``baddbmm``) 
 prints the calls per step, the microseconds per call inside the step, the model's price of one call
 on ``PROFILE`` (:func:`piper_core.timing.compute.gemm_time`, the curve the calibration's GEMM sweep
 fits), and the same product timed on rank 0 after training, alone, twice: with its operands in cache
-(what the sweep times: it repeats one GEMM on the same tensors) and with them out of cache (a 64 MiB
-buffer written between calls, operands rotated). The totals say how much of the step's GEMM time the
+(one GEMM repeated on the same tensors, as the sweep timed them before 2026-12-08) and with each call
+on the next operand pair of a pool larger than the cache (as the sweep times them since:
+:func:`piper_core.calibrate.bench.operand_pool`). The totals say how much of the step's GEMM time the
 price covers.
 
 A diagnosis, not a validation (the profiler adds about 10 % to each call; the step itself is not
@@ -30,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-COLD_MIB = 64
 
 
 def shape_of(op: str, shapes: Sequence[Sequence[int]]) -> tuple[int, int, int, int]:
@@ -75,34 +75,33 @@ def rank_main(info: Any, target: str, job_json: dict[str, Any]) -> dict[str, Any
     out: dict[str, Any] = {"rank": info.rank, "rows": rows, "steps": len(report["step_s"])}
     if info.rank == 0:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[job_json["plan"]["precision"]]
+        from piper_core.calibrate.steps import GEMM_POOL_MIB
+
         shapes = {shape_of(op, ast.literal_eval(printed)) for op, printed, _, _ in rows}
-        out["alone"] = {json.dumps(s): standalone(*s, dtype=dtype) for s in shapes}
+        pool = torch.randn(GEMM_POOL_MIB * 2**20 // dtype.itemsize).to(dtype)
+        out["alone"] = {json.dumps(s): standalone(*s, dtype=dtype, pool=pool) for s in shapes}
     return out
 
 
-def standalone(batch: int, m: int, k: int, n: int, *, dtype: Any, reps: int = 30) -> dict[str, float]:
-    """Median microseconds of one ``[batch,] m x k @ k x n`` product: operands in cache, and out of it."""
+def standalone(batch: int, m: int, k: int, n: int, *, dtype: Any, pool: Any, reps: int = 30) -> dict[str, float]:
+    """Median microseconds of one ``[batch,] m x k @ k x n`` product: operands in cache (one pair
+    repeated), and out of it (pairs rotated through ``pool``, as the calibration sweep does)."""
     import torch
 
-    flush = torch.empty(COLD_MIB * 2**20 // 4)
-    pool = [(torch.randn(batch, m, k).to(dtype), torch.randn(batch, k, n).to(dtype)) for _ in range(8)]
+    from piper_core.calibrate.bench import operand_pool
 
-    def once(i: int) -> None:
-        a, b = pool[i % len(pool)]
-        torch.bmm(a, b) if batch > 1 else torch.mm(a[0], b[0])
-
-    def timed(cold: bool) -> float:
+    def timed(pairs: list[tuple[Any, Any]]) -> float:
+        mm = torch.bmm if batch > 1 else torch.mm
         for i in range(3):
-            once(i)
+            mm(*pairs[i % len(pairs)])
         samples = []
-        for i in range(reps):
-            if cold:
-                flush.add_(1.0)
+        for i in range(3, 3 + reps):
             start = time.perf_counter()
-            once(i if cold else 0)
+            mm(*pairs[i % len(pairs)])
             samples.append(time.perf_counter() - start)
         return 1e6 * statistics.median(samples)
-    return {"hot_us": timed(False), "cold_us": timed(True)}
+    return {"hot_us": timed(operand_pool(None, m, n, k, dtype, batch)),
+            "pool_us": timed(operand_pool(pool, m, n, k, dtype, batch))}
 
 
 def priced_us(cluster: Any, precision: str, batch: int, m: int, k: int, n: int) -> float:
@@ -132,7 +131,7 @@ def measure(case: Any, cluster: Any, *, steps: int, timeout_s: float = 900.0) ->
         r["priced_us"] = priced_us(cluster, case.plan.precision, r["batch"], r["m"], r["k"], r["n"])
         r |= first["alone"][json.dumps([r["batch"], r["m"], r["k"], r["n"]])]
     total = {key: sum(r[key] * r["calls_per_step"] for r in rows) / 1e3
-             for key in ("measured_us", "priced_us", "hot_us", "cold_us")}
+             for key in ("measured_us", "priced_us", "hot_us", "pool_us")}
     return {"case": case.name, "cluster": cluster.name, "steps": first["steps"], "rank": 0, "shapes": rows,
             "ms_per_step": total}
 
@@ -141,15 +140,15 @@ def render(result: dict[str, Any]) -> str:
     lines = [f"{result['case']}: rank 0's matrix products per training step ({result['steps']} steps under the "
              f"profiler), priced on {result['cluster']}",
              f"{'[batch x] m x k x n':>24} {'calls':>6} {'in step us':>11} {'priced us':>10} {'alone hot':>10} "
-             f"{'alone cold':>11} {'step/priced':>12}"]
+             f"{'alone pool':>11} {'step/priced':>12}"]
     for r in result["shapes"]:
         shape = (f"{r['batch']} x " if r["batch"] > 1 else "") + f"{r['m']} x {r['k']} x {r['n']}"
         lines.append(f"{shape:>24} {r['calls_per_step']:>6.0f} {r['measured_us']:>11.1f} {r['priced_us']:>10.1f} "
-                     f"{r['hot_us']:>10.1f} {r['cold_us']:>11.1f} {r['measured_us'] / r['priced_us']:>11.2f}x")
+                     f"{r['hot_us']:>10.1f} {r['pool_us']:>11.1f} {r['measured_us'] / r['priced_us']:>11.2f}x")
     t = result["ms_per_step"]
     lines.append(f"per step: in the step {t['measured_us']:.1f} ms, priced {t['priced_us']:.1f} ms "
                  f"({t['measured_us'] / t['priced_us']:.2f}x), alone with operands in cache {t['hot_us']:.1f} ms, "
-                 f"out of cache {t['cold_us']:.1f} ms")
+                 f"rotated through the sweep's pool (out of cache) {t['pool_us']:.1f} ms")
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ def test_a_case_is_profiled_priced_and_timed(tmp_path, capsys):
     assert any(b == 8 for b, *_ in shapes)  # core attention: micro-batch 2 x 4 heads
     for r in result["shapes"]:
         assert r["calls_per_step"] > 0 and r["measured_us"] > 0 and r["priced_us"] > 0
-        assert r["hot_us"] > 0 and r["cold_us"] > 0
+        assert r["hot_us"] > 0 and r["pool_us"] > 0
     total = result["ms_per_step"]
     assert total["measured_us"] > 0 and total["priced_us"] > 0
     printed = capsys.readouterr().out

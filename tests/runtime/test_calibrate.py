@@ -11,7 +11,7 @@ import pytest
 
 from piper_core.calibrate.profile import read_profile
 from piper_core.calibrate.run import CalibrateOptions, calibrate
-from piper_core.calibrate.steps import Step, Topology, plan_steps
+from piper_core.calibrate.steps import GEMM_POOL_MIB, Step, Topology, plan_steps
 from piper_core.cli.main import main
 
 HERE = Path(__file__).resolve()
@@ -60,6 +60,9 @@ def test_quick_calibration_writes_a_profile_predict_accepts(quick_run, capsys):
     assert status["overheads"] == "ok", summary["failures"]
     assert fits["overheads"]["source"] == "fitted by piper_core.calibrate.probe.fit_overheads"
     assert fits["overheads"]["fit"]["runs"] and fits["overheads"]["values"]["step_overhead_us"] >= 0
+    # the GEMM sweep timed its products out of cache, and the profile says so
+    assert fits["gemm"]["operands"] == f"each call on the next operand pair of a {GEMM_POOL_MIB} MiB pool (out of cache)"
+    assert summary["gemm_operands"] == fits["gemm"]["operands"]
     for entry in (fits["gemm"]["bf16"], fits["links"]["curves"]["alltoall-all"]):
         assert entry["points"] >= 4 and entry["r2"] <= 1 and entry["max_rel_residual"] >= 0
     assert set(prof.calibration["benchmarks"]) >= CORE
