@@ -79,11 +79,11 @@ def gemm(info: RankInfo, s: dict[str, Any]) -> dict[str, Any]:
     call on the next operand pair of :func:`operand_pool` (``s["pool_mib"]``; absent or 0: the same
     pair every call, operands in cache, as profiles before 2026-12-08 were measured)."""
     ranks = tuple(range(info.world_size))
+    mib = s.get("pool_mib", 0)
     out: dict[str, list[list[float]]] = {}
     for dtype, shapes in s["shapes"].items():
         rows = []
-        mib = s.get("pool_mib", 0)
-        pool = torch.randn(mib * 2**20 // DTYPES[dtype].itemsize).to(DTYPES[dtype]) if mib else None
+        pool = make_pool(mib, DTYPES[dtype]) if mib else None
         cursor = 0  # elements of the pool read so far: a shape starts where the last one stopped
         for m, n, k in shapes:
             pairs = operand_pool(pool, m, n, k, DTYPES[dtype])
@@ -94,7 +94,12 @@ def gemm(info: RankInfo, s: dict[str, Any]) -> dict[str, Any]:
                                                s["budget_s"], s["max_reps"])])
             cursor = next(turn) * pair_size
         out[dtype] = rows
-    return {"gemm": out, "gemm_pool_mib": s.get("pool_mib", 0)}
+    return {"gemm": out, "gemm_pool_mib": mib}
+
+
+def make_pool(mib: int, dtype: torch.dtype) -> torch.Tensor:
+    """``mib`` MiB of random ``dtype`` values for :func:`operand_pool` to carve operands from."""
+    return torch.randn(mib * 2**20 // dtype.itemsize).to(dtype)
 
 
 def operand_pool(pool: torch.Tensor | None, m: int, n: int, k: int, dtype: torch.dtype,
@@ -104,20 +109,17 @@ def operand_pool(pool: torch.Tensor | None, m: int, n: int, k: int, dtype: torch
     ``pool`` None: one fresh pair, so every call finds its operands in cache. Else as many disjoint
     pairs as fit in ``pool`` (views of it; one fresh pair where even one does not fit: operands that
     large are out of cache anyway), so a call reads operands that the calls before it have pushed
-    out of the cache, as a
-    training step's GEMMs do: between two uses of a weight or an activation a step touches many
-    MiB. Timing one GEMM repeated on the same tensors prices the step's GEMMs too fast -- on this
-    host 21.3 against 52.2 ms per step, and a 64 MiB pool times the same products at 30.0 ms
-    (docs/validation.md, "Diagnosis"); on a GPU the same holds for its L2 (50 MiB on an H100),
-    which is why GEMM benchmarks there flush it between calls."""
+    out of the cache, as a training step's GEMMs do: between two uses of a weight or an activation
+    a step touches many MiB. Timing one GEMM repeated on the same tensors prices the step's GEMMs
+    too fast -- on this host 21.3 against 42.4 ms per step, and this pool (256 MiB) times the same
+    products at 30.2 ms (docs/validation.md, "Diagnosis"); on a GPU the same holds for its L2
+    (50 MiB on an H100), which is why GEMM benchmarks there flush it between calls."""
     shape_a, shape_b = ((batch, m, k), (batch, k, n)) if batch > 1 else ((m, k), (k, n))
     size_a, size_b = batch * m * k, batch * k * n
-    if pool is None:
-        return [(torch.randn(shape_a).to(dtype), torch.randn(shape_b).to(dtype))]
-    pool = pool.to(dtype)
-    count = pool.numel() // (size_a + size_b)
+    count = 0 if pool is None else pool.numel() // (size_a + size_b)
     if count == 0:
         return [(torch.randn(shape_a).to(dtype), torch.randn(shape_b).to(dtype))]
+    pool = pool.to(dtype)
     pairs = []
     for i in range(count):
         start = i * (size_a + size_b)

@@ -75,10 +75,11 @@ def rank_main(info: Any, target: str, job_json: dict[str, Any]) -> dict[str, Any
     out: dict[str, Any] = {"rank": info.rank, "rows": rows, "steps": len(report["step_s"])}
     if info.rank == 0:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[job_json["plan"]["precision"]]
+        from piper_core.calibrate.bench import make_pool
         from piper_core.calibrate.steps import GEMM_POOL_MIB
 
         shapes = {shape_of(op, ast.literal_eval(printed)) for op, printed, _, _ in rows}
-        pool = torch.randn(GEMM_POOL_MIB * 2**20 // dtype.itemsize).to(dtype)
+        pool = make_pool(GEMM_POOL_MIB, dtype)
         out["alone"] = {json.dumps(s): standalone(*s, dtype=dtype, pool=pool) for s in shapes}
     return out
 
